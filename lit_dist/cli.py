@@ -1,0 +1,130 @@
+"""The ``lit-dist`` command: LightningCLI with lit-dist's defaults. Thin on purpose.
+
+    lit-dist fit --config configs/quickstart.yaml
+    lit-dist fit --config configs/quickstart.yaml --trainer.devices 2 --trainer.strategy ddp
+    lit-dist fit --help
+"""
+
+import argparse
+import logging
+import sys
+import warnings
+
+from lightning.pytorch.cli import LightningCLI
+
+from lit_dist.errors import ExitCode, LitDistError, explain_parse_error
+from lit_dist.run import RunConfig, run_dir
+
+MODEL = "lit_dist.module.LitModel"
+DATA = "lit_dist.data.datamodule.BucketDataModule"
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+class LitDistCLI(LightningCLI):
+    """LightningCLI whose model and data default to ``LitModel`` and ``BucketDataModule``.
+
+    Both accept a ``class_path`` to use a subclass or any LightningModule / LightningDataModule.
+    """
+
+    def __init__(self, args: list[str] | None = None, **kwargs):
+        from lightning.pytorch import LightningDataModule
+
+        from lit_dist.module import LitModel
+
+        argv = sys.argv[1:] if args is None else args
+        # In subclass mode `--help` would hide every model and data knob behind `--model.help CLASS`;
+        # for help only, parse the default classes directly so that all knobs are listed.
+        show_all = any(a in ("-h", "--help") for a in argv)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a rerun never aborts on config.yaml
+        # exit_on_error=False: main() turns parse errors into one line instead of a usage wall.
+        kwargs.setdefault("parser_kwargs", {"exit_on_error": False, "description": "lit-dist: training from one YAML file."})
+        if show_all:
+            from lit_dist.data.datamodule import BucketDataModule
+
+            model_class, data_class = LitModel, BucketDataModule
+        else:
+            model_class, data_class = LitModel, LightningDataModule
+        super().__init__(
+            model_class,
+            data_class,
+            subclass_mode_model=not show_all,
+            subclass_mode_data=not show_all,
+            auto_configure_optimizers=False,  # LitModel owns its optimizer and scheduler arguments
+            seed_everything_default=0,
+            args=args,
+            **kwargs,
+        )
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_class_arguments(RunConfig, "run")
+        if self.subclass_mode_model:
+            parser.set_defaults({"model": {"class_path": MODEL}, "data": {"class_path": DATA}})
+
+    def before_instantiate_classes(self) -> None:
+        from jsonargparse import Namespace
+
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        run = RunConfig(**vars(config.run))
+        config.run.run_id, path = run_dir(run)
+        config.trainer.default_root_dir = path
+        if config.trainer.logger in (None, True):
+            config.trainer.logger = Namespace(
+                class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                init_args=Namespace(save_dir=run.root_dir, name=run.name, version=config.run.run_id, default_hp_metric=False),
+            )
+
+    def after_fit(self) -> None:
+        self._report("fit")
+
+    def after_validate(self) -> None:
+        self._report("validate")
+
+    def after_test(self) -> None:
+        self._report("test")
+
+    def _report(self, what: str) -> None:
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        # Not trainer.log_dir: that is a broadcast, a collective that must never sit behind a rank check.
+        run_path = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.split("/")[0] in ("val", "test")}
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "no validation metrics"
+        print(f"\nlit-dist: {what} finished: {shown}")
+        print(f"  run directory: {run_path}")
+        print(f"  watch it:      tensorboard --logdir {run_path}\n", flush=True)
+
+
+def _silence_lightning_noise() -> None:
+    """Drop messages that say nothing about the user's run."""
+    # Advertisements for hosted services, printed on every run.
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(lambda record: not str(record.msg).startswith("💡 Tip"))
+    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; nothing the user can act on.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # LitModel all-reduces its evaluation sums itself, so the values it logs are already global.
+    warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``lit-dist`` console script."""
+    try:
+        _silence_lightning_noise()
+        LitDistCLI(args=args)
+    except argparse.ArgumentError as err:
+        argv = sys.argv[1:] if args is None else args
+        subcommand = next((a for a in argv if a in SUBCOMMANDS), "fit")
+        print(f"lit-dist: error: {explain_parse_error(str(err))}", file=sys.stderr)
+        print(f"  Fix it in the config file or on the command line; `lit-dist {subcommand} --help` lists every option.",
+              file=sys.stderr)
+        sys.exit(int(ExitCode.CONFIG_ERROR))
+    except LitDistError as err:
+        print(f"lit-dist: error: {err}", file=sys.stderr)
+        sys.exit(int(err.exit_code))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(int(ExitCode.OK))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Aspect-ratio-bucketed image data: metadata, buckets, sampler, dataset, data module."""

@@ -1,0 +1,106 @@
+"""Decoding and cropping images to their bucket size; one call returns one whole batch.
+
+The sampler hands over ``(epoch, indices)`` for a batch of one bucket, so the
+dataset returns the collated batch itself: one round trip per batch between
+worker and trainer, and the epoch is known for the random crop.
+"""
+
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class BucketImageDataset(torch.utils.data.Dataset):
+    """Images resized to cover their bucket and cropped to it, as uint8 tensors.
+
+    A batch is a dict: ``image`` (B, 3, H, W) uint8, ``label`` (B,) int64 when the
+    table has labels, ``index`` (B,) int64, the row of each sample, and ``weight``
+    (B,) float32: 0 for padding that evaluation metrics must not count.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        filenames: np.ndarray,
+        bucket_sizes: np.ndarray,
+        bucket_ids: np.ndarray,
+        labels: np.ndarray | None = None,
+        random_crop: bool = False,
+        seed: int = 0,
+        storage_options: dict | None = None,
+    ):
+        import fsspec
+
+        self.fs, self.root = fsspec.core.url_to_fs(root, **(storage_options or {}))
+        self.root = self.root.rstrip("/")
+        self.filenames = filenames
+        self.bucket_sizes = bucket_sizes  # (K, 2) of (width, height)
+        self.bucket_ids = bucket_ids
+        self.labels = labels
+        self.random_crop = random_crop
+        self.seed = seed
+        self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
+
+    def __len__(self) -> int:
+        return len(self.filenames)
+
+    def __getitem__(self, request: tuple[int, list[int], float]) -> dict[str, torch.Tensor]:
+        epoch, indices, weight = request
+        width, height = self.bucket_sizes[self.bucket_ids[indices[0]]]
+        images = np.empty((len(indices), height, width, 3), dtype=np.uint8)  # (B, H, W, C)
+        used = np.empty(len(indices), dtype=np.int64)
+        for slot, index in enumerate(indices):
+            used[slot] = self._load_into(images[slot], index, epoch)
+        batch = {
+            "image": torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),  # (B, C, H, W) uint8
+            "index": torch.from_numpy(used),
+            "weight": torch.full((len(indices),), weight, dtype=torch.float32),
+        }
+        if self.labels is not None:
+            batch["label"] = torch.from_numpy(self.labels[used])
+        return batch
+
+    def _load_into(self, out: np.ndarray, index: int, epoch: int) -> int:
+        """Decode ``index`` into ``out``; a bad image is replaced by the next sample of its bucket."""
+        candidate = index
+        for _attempt in range(8):
+            try:
+                out[...] = self._decode(candidate, out.shape[1], out.shape[0], epoch)
+                return candidate
+            except Exception as exc:  # any decode failure: missing file, truncated data, not an image
+                log.warning("lit-dist: cannot read %s (%s); using another image of the same bucket", self._path(candidate), exc)
+                candidate = self._next_in_bucket(candidate)
+        raise RuntimeError(f"8 images in a row of bucket {tuple(out.shape[1::-1])} could not be read; last: {self._path(candidate)}")
+
+    def _next_in_bucket(self, index: int) -> int:
+        if self._members is None:
+            self._members = [np.flatnonzero(self.bucket_ids == b) for b in range(len(self.bucket_sizes))]
+        members = self._members[self.bucket_ids[index]]
+        pos = int(np.searchsorted(members, index))
+        return int(members[(pos + 1) % len(members)])
+
+    def _path(self, index: int) -> str:
+        return f"{self.root}/{self.filenames[index]}"
+
+    def _decode(self, index: int, width: int, height: int, epoch: int) -> np.ndarray:
+        from PIL import Image, ImageOps
+
+        with self.fs.open(self._path(index), "rb") as f:
+            img = Image.open(f)
+            img.draft("RGB", (width, height))  # JPEG: decode at a reduced scale when that still covers the bucket
+            img = ImageOps.exif_transpose(img).convert("RGB")
+        scale = max(width / img.width, height / img.height)
+        resized = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
+        if resized != img.size:
+            img = img.resize(resized, Image.BILINEAR, reducing_gap=3.0)
+        free_x, free_y = resized[0] - width, resized[1] - height
+        if self.random_crop and (free_x or free_y):
+            # From (seed, epoch, index) alone: a resumed run crops exactly as an uninterrupted one.
+            rng = np.random.default_rng([self.seed, epoch, index])
+            left, top = int(rng.integers(free_x + 1)), int(rng.integers(free_y + 1))
+        else:
+            left, top = free_x // 2, free_y // 2
+        return np.asarray(img.crop((left, top, left + width, top + height)))  # (H, W, C)

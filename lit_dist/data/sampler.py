@@ -1,0 +1,101 @@
+"""A distributed batch sampler that gives every rank the same number of one-bucket batches.
+
+Why not ``DistributedSampler`` + ``BatchSampler``: ranks would build batches
+independently, so a batch could mix image sizes, and ranks could end an epoch
+with different batch counts and deadlock in the next collective. Here whole
+*global* batches (``batch_size_per_device x world_size`` samples of one bucket)
+are formed from one shuffle that depends only on (seed, epoch), and each rank
+takes its slice of every global batch: equal counts by construction.
+
+The class subclasses ``DistributedSampler`` only so that Lightning recognises it
+as already distributed and does not wrap it in a sampler of its own.
+"""
+
+from collections.abc import Iterator
+
+import numpy as np
+from torch.utils.data.distributed import DistributedSampler
+
+
+class BucketBatchSampler(DistributedSampler):
+    """Yields ``(epoch, indices, weight)``: one batch of this rank, all from one bucket.
+
+    Training (``shuffle=True``): every rank gets ``len(self)`` batches of exactly
+    ``batch_size_per_device`` samples. Samples of a bucket that do not fill a
+    global batch are left for this epoch, and which ones rotates from epoch to
+    epoch, so none is left out for good.
+
+    Evaluation (``shuffle=False``): every sample is yielded exactly once across
+    ranks with weight 1, in bucket order. Ranks short of the largest batch count
+    are padded with repeats of one of their batches with weight 0, so every rank
+    runs the same number of steps (and reaches the same collectives) while
+    metrics still count each sample once.
+    """
+
+    def __init__(
+        self,
+        bucket_ids: np.ndarray,
+        batch_size_per_device: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
+        # DistributedSampler's own __init__ would query the process group; set what it sets instead.
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.batch_size_per_device = batch_size_per_device
+        self.bucket_ids = np.asarray(bucket_ids, dtype=np.int64)
+        # Members of each bucket in a fixed order from the seed; epochs roll and shuffle this.
+        rng = np.random.default_rng(seed)
+        order = np.argsort(self.bucket_ids, kind="stable")
+        counts = np.bincount(self.bucket_ids) if len(self.bucket_ids) else np.zeros(0, dtype=np.int64)
+        self.members = [m for m in np.split(order, np.cumsum(counts)[:-1]) if len(m)]
+        if shuffle:
+            self.members = [m[rng.permutation(len(m))] for m in self.members]
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size_per_device * self.num_replicas
+
+    def __len__(self) -> int:
+        if self.shuffle:
+            return sum(len(m) // self.global_batch_size for m in self.members)
+        batches = sum(-(-len(m) // self.batch_size_per_device) for m in self.members)
+        return -(-batches // self.num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[int, list[int], float]]:
+        if self.shuffle:
+            for batch in self._train_batches():
+                yield self.epoch, batch.tolist(), 1.0
+            return
+        b = self.batch_size_per_device
+        everything = [m[i : i + b] for m in self.members for i in range(0, len(m), b)]
+        mine = everything[self.rank :: self.num_replicas]
+        for batch in mine:
+            yield self.epoch, batch.tolist(), 1.0
+        filler = mine[0] if mine else (everything[0] if everything else None)
+        for _ in range(len(self) - len(mine)):
+            yield self.epoch, filler.tolist(), 0.0
+
+    def _train_batches(self) -> np.ndarray:
+        """This rank's batches for the current epoch, shape (num_batches, batch_size_per_device)."""
+        g = self.global_batch_size
+        rng = np.random.default_rng([self.seed, self.epoch])
+        global_batches = []
+        for members in self.members:
+            n = len(members)
+            leftover = n % g
+            kept = np.roll(members, -(self.epoch * leftover) % n)[: n - leftover]
+            global_batches.append(kept[rng.permutation(len(kept))].reshape(-1, g))
+        if not global_batches:
+            return np.zeros((0, self.batch_size_per_device), dtype=np.int64)
+        stacked = np.concatenate(global_batches)  # (num_global_batches, g)
+        stacked = stacked[rng.permutation(len(stacked))]
+        return stacked[:, self.rank * self.batch_size_per_device : (self.rank + 1) * self.batch_size_per_device]

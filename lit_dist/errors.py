@@ -1,0 +1,80 @@
+"""Exit codes and the errors that carry them.
+
+Every code is documented in README.md ("Exit codes"). The GPU-fault and
+preemption codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
+255, so an orchestrator can tell them from everything else.
+"""
+
+import re
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILURE = 1  # an unexpected error: a bug, or something not classified below
+    CONFIG_ERROR = 2  # the configuration or command line is wrong
+    DATA_ERROR = 3  # metadata or images are missing or unusable
+    GPU_FAULT = 10  # the GPU of some rank is faulty: drain the node, do not retry there
+    PREEMPTED = 11  # saved and requeued after a preemption signal: not a failure
+
+
+class LitDistError(Exception):
+    """A user-facing error: printed as one message, without a traceback."""
+
+    exit_code: ExitCode = ExitCode.FAILURE
+
+
+class ConfigError(LitDistError, ValueError):
+    """A configuration value is wrong. The message names the field, the value and the fix."""
+
+    exit_code = ExitCode.CONFIG_ERROR
+
+    @classmethod
+    def collect(cls, problems: list[str]) -> None:
+        """Raise one error listing every problem found, or return if there is none."""
+        if len(problems) == 1:
+            raise cls(problems[0])
+        if problems:
+            raise cls(f"{len(problems)} problems in the configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class DataError(LitDistError):
+    """The dataset cannot be used as configured."""
+
+    exit_code = ExitCode.DATA_ERROR
+
+
+_NOISE = re.compile(
+    r"Does not validate against any of the Union subtypes|^Subtypes:|^Errors:|Expected a <class 'NoneType'>|^Given value type:"
+)
+_DEFAULT_CLASSES = re.compile(r"^Problem with given class_path 'lit_dist\.(LitModel|module\.LitModel|data\.datamodule\.BucketDataModule)':$")
+
+
+def explain_parse_error(message: str) -> str:
+    """Condense a jsonargparse error (nested, with union noise) into ``field: problem``."""
+    keys: list[str] = []
+    details: list[str] = []
+    for raw in message.splitlines():
+        line = raw.strip().removeprefix("- ").strip()
+        if not line or _NOISE.search(line) or _DEFAULT_CLASSES.match(line):
+            continue
+        if key := re.fullmatch(r'Parser key "([^"]+)":?\s*(.*)', line):
+            keys.append(key.group(1))
+            if key.group(2):
+                details.append(key.group(2))
+        elif nested := re.fullmatch(r"Given value: NestedArg\(key='([^']*)', val=(.*)\)", line):
+            keys.append(nested.group(1))
+            details.append(f"given value: {nested.group(2)}")
+        else:
+            details.append(line.removesuffix(":") if line.endswith("':") else line)
+    path: list[str] = []
+    for key in keys:  # nested keys repeat their parent's name: ["model", "net", "net.class_path"]
+        if path and key.startswith(path[-1] + "."):
+            path[-1] = key
+        elif not path or key != path[-1]:
+            path.append(key)
+    field = ".".join(path)
+    if any("Got value" in d for d in details):
+        details = [d for d in details if not d.startswith("given value")]
+    problem = "; ".join(details) or message
+    return f"{field}: {problem}" if field else problem

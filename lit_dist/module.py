@@ -1,0 +1,229 @@
+"""``LitModel``: a LightningModule that wraps any ``torch.nn.Module`` named in the YAML.
+
+Example (YAML)::
+
+    model:
+      net:
+        class_path: lit_dist.models.SimpleCNN
+        init_args: {num_classes: 4}
+      optimizer:
+        class_path: torch.optim.AdamW
+        init_args: {lr: 0.003}
+      lr_scaling: linear
+      base_batch_size: 32
+      warmup_steps: 50
+
+Metrics it logs:
+
+=============================  ===========================================
+``train/loss``, ``train/acc``  per step (acc only for classification)
+``val/loss``, ``val/acc``      per validation epoch, every sample counted once
+``train/lr``                   learning rate of the first parameter group
+``throughput/samples_per_s``   global samples per second between log steps
+=============================  ===========================================
+
+To train something other than a classifier, subclass it and override
+``compute_loss``; name the subclass as ``model.class_path``.
+"""
+
+import math
+import time
+from typing import Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from lit_dist.errors import ConfigError
+
+
+class LitModel(LightningModule):
+    """Trains ``net`` with a loss, an optimizer and an LR schedule given in the YAML."""
+
+    def __init__(
+        self,
+        net: nn.Module,
+        loss: nn.Module | None = None,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        lr_scaling: Literal["none", "linear", "sqrt"] = "none",
+        base_batch_size: int = 256,
+        warmup_steps: int = 0,
+        compile: bool = False,
+        input_key: str = "image",
+        target_key: str = "label",
+    ):
+        """Wrap a network.
+
+        Args:
+            net: The network to train; any torch.nn.Module, given by class_path and init_args.
+            loss: Loss module called as loss(net_output, target); default: cross-entropy.
+            optimizer: Optimizer class_path and init_args; its lr is the LR at base_batch_size.
+            lr_scheduler: LR scheduler class_path and init_args, stepped once per optimizer step.
+            lr_scaling: Scale the optimizer's lr by the effective batch / base_batch_size: none, linear or sqrt.
+            base_batch_size: Effective batch the configured lr was tuned for (used by lr_scaling).
+            warmup_steps: Optimizer steps of linear LR warmup from lr / warmup_steps to lr; 0 turns it off.
+            compile: Compile the network with torch.compile (keeps parameter names, so checkpoints stay portable).
+            input_key: Key of the network input in a batch.
+            target_key: Key of the target in a batch.
+        """
+        super().__init__()
+        problems = []
+        if base_batch_size < 1:
+            problems.append(f"model.base_batch_size = {base_batch_size}: must be >= 1")
+        if warmup_steps < 0:
+            problems.append(f"model.warmup_steps = {warmup_steps}: must be >= 0")
+        if lr_scaling not in ("none", "linear", "sqrt"):
+            problems.append(f"model.lr_scaling = {lr_scaling!r}: must be none, linear or sqrt")
+        ConfigError.collect(problems)
+        self.save_hyperparameters(ignore=["net", "loss"])
+        self.net = net
+        self.loss = loss if loss is not None else nn.CrossEntropyLoss()
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.lr_scaling = lr_scaling
+        self.base_batch_size = base_batch_size
+        self.warmup_steps = warmup_steps
+        self.compile = compile
+        self.input_key = input_key
+        self.target_key = target_key
+        self._eval_sums: torch.Tensor | None = None  # per-metric weighted sums, then the sample count
+        self._eval_names: list[str] = []
+        self._throughput_mark: tuple[float, int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one batch and extra per-batch metrics (means over the batch). Override for other tasks."""
+        logits = self.net(batch[self.input_key])  # (B, num_classes)
+        target = batch[self.target_key]  # (B,)
+        loss = self.loss(logits, target)
+        with torch.no_grad():
+            acc = (logits.argmax(dim=-1) == target).float().mean()
+        return loss, {"acc": acc}
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        if self.compile and not getattr(self, "_compiled", False):
+            self.net.compile()  # in place: state_dict keys stay free of "_orig_mod."
+            self._compiled = True
+
+    def effective_batch_size(self) -> int | None:
+        """batch_size_per_device x world size x accumulate_grad_batches, once a trainer is attached."""
+        per_device = getattr(self.trainer.datamodule, "batch_size_per_device", None)
+        if per_device is None:
+            return None
+        return per_device * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def lr_scale(self) -> float:
+        if self.lr_scaling == "none":
+            return 1.0
+        effective = self.effective_batch_size()
+        if effective is None:
+            raise ConfigError(
+                f"model.lr_scaling = {self.lr_scaling!r} needs the batch size per device, and the data module "
+                f"{type(self.trainer.datamodule).__name__} has no `batch_size_per_device` attribute. "
+                "Add that attribute to it, or set model.lr_scaling: none."
+            )
+        ratio = effective / self.base_batch_size
+        return ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(self.parameters())
+        scale = self.lr_scale()
+        for group in optimizer.param_groups:
+            group["lr"] *= scale
+        self._log_batch_and_lr(optimizer, scale)
+        schedulers = []
+        if self.warmup_steps > 0:
+            schedulers.append(
+                torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / self.warmup_steps, total_iters=self.warmup_steps)
+            )
+        if self.lr_scheduler_factory is not None:
+            schedulers.append(self.lr_scheduler_factory(optimizer))
+        if not schedulers:
+            return optimizer
+        if len(schedulers) == 1:
+            scheduler = schedulers[0]
+        else:
+            scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones=[self.warmup_steps])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _log_batch_and_lr(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
+        lr = optimizer.param_groups[0]["lr"]
+        effective = self.effective_batch_size()
+        if effective is not None:
+            per_device = effective // (self.trainer.world_size * self.trainer.accumulate_grad_batches)
+            batch = (f"effective batch {effective} = {per_device} per device x {self.trainer.world_size} devices "
+                     f"x {self.trainer.accumulate_grad_batches} accumulation")
+        else:
+            batch = "effective batch unknown (the data module has no batch_size_per_device)"
+        rank_zero_info(
+            f"lit-dist: {batch}; lr {lr:.4g} (lr_scaling {self.lr_scaling}, x{scale:.4g} against base batch "
+            f"{self.base_batch_size}); warmup {self.warmup_steps} steps"
+        )
+        if self.logger is not None:
+            self.logger.log_hyperparams({"effective_batch_size": effective or 0, "scaled_lr": lr, "lr_scale": scale})
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, metrics = self.compute_loss(batch)
+        batch_size = len(batch[self.input_key])
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        for name, value in metrics.items():
+            self.log(f"train/{name}", value, batch_size=batch_size)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        # LR and throughput only on logging steps: nothing extra on the other steps' hot path.
+        if self.trainer.global_step % self.trainer.log_every_n_steps:
+            return
+        now, step = time.perf_counter(), self.trainer.global_step
+        if self._throughput_mark is not None and step > self._throughput_mark[1]:
+            then, then_step = self._throughput_mark
+            samples = (step - then_step) * (self.effective_batch_size() or len(batch[self.input_key]))
+            self.log("throughput/samples_per_s", samples / (now - then), rank_zero_only=True)
+        self._throughput_mark = (now, step)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    def _eval_step(self, batch: dict) -> None:
+        loss, metrics = self.compute_loss(batch)
+        # Padding batches (weight 0) keep ranks in step without being counted.
+        weight = batch["weight"].sum() if "weight" in batch else torch.tensor(float(len(batch[self.input_key])))
+        values = torch.stack([loss.detach().float(), *(m.detach().float() for m in metrics.values())])
+        sums = torch.cat([values * weight, weight.to(values).view(1)])  # (num_metrics + 1,)
+        if self._eval_sums is None:
+            self._eval_names, self._eval_sums = ["loss", *metrics], sums
+        else:
+            self._eval_sums += sums
+
+    def _log_eval(self, prefix: str) -> None:
+        if self._eval_sums is None:
+            return
+        # One all-reduce of sums and the sample count: exact means however batches fell on ranks.
+        totals = self.trainer.strategy.reduce(self._eval_sums, reduce_op="sum")
+        means = totals[:-1] / totals[-1].clamp_min(1)
+        for name, value in zip(self._eval_names, means):
+            self.log(f"{prefix}/{name}", value, prog_bar=name != "loss")  # same value on every rank
+        self._eval_sums = None
+
+    def predict_step(self, batch: dict, batch_idx: int) -> dict[str, torch.Tensor]:
+        logits = self.net(batch[self.input_key])
+        return {"index": batch["index"], "prediction": logits.argmax(dim=-1), "probability": logits.softmax(-1).amax(-1)}
