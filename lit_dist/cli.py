@@ -82,12 +82,23 @@ class LitDistCLI(LightningCLI):
     def after_test(self) -> None:
         self._report("test")
 
+    def after_predict(self) -> None:
+        from lit_dist.predictions import write_predictions
+
+        trainer = self.trainer
+        path = write_predictions(trainer.predict_loop.predictions or [], self._run_path(), trainer.global_rank)
+        if path and trainer.is_global_zero:
+            print(f"\nlit-dist: predictions written to {path} (one file per rank)", flush=True)
+
+    def _run_path(self) -> str:
+        # Not trainer.log_dir: that is a broadcast, a collective that must never sit behind a rank check.
+        return getattr(self.trainer.logger, "log_dir", None) or self.trainer.default_root_dir
+
     def _report(self, what: str) -> None:
         trainer = self.trainer
         if not trainer.is_global_zero:
             return
-        # Not trainer.log_dir: that is a broadcast, a collective that must never sit behind a rank check.
-        run_path = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+        run_path = self._run_path()
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.split("/")[0] in ("val", "test")}
         shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "no validation metrics"
         print(f"\nlit-dist: {what} finished: {shown}")
@@ -106,6 +117,17 @@ def _silence_lightning_noise() -> None:
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
 
 
+def _user_error(exc: BaseException | None) -> LitDistError | None:
+    """The LitDistError behind ``exc``: jsonargparse wraps errors raised while building classes."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, LitDistError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-dist`` console script."""
     try:
@@ -118,7 +140,10 @@ def main(args: list[str] | None = None) -> None:
         print(f"  Fix it in the config file or on the command line; `lit-dist {subcommand} --help` lists every option.",
               file=sys.stderr)
         sys.exit(int(ExitCode.CONFIG_ERROR))
-    except LitDistError as err:
+    except Exception as exc:
+        err = _user_error(exc)
+        if err is None:
+            raise
         print(f"lit-dist: error: {err}", file=sys.stderr)
         sys.exit(int(err.exit_code))
     except KeyboardInterrupt:

@@ -139,12 +139,16 @@ class LitModel(LightningModule):
             group["lr"] *= scale
         self._log_batch_and_lr(optimizer, scale)
         schedulers = []
-        if self.warmup_steps > 0:
-            schedulers.append(
-                torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / self.warmup_steps, total_iters=self.warmup_steps)
-            )
+        # The configured scheduler is built first: built after LinearLR it would take the warmup's
+        # reduced lr as its starting point.
         if self.lr_scheduler_factory is not None:
             schedulers.append(self.lr_scheduler_factory(optimizer))
+        if self.warmup_steps > 1:
+            # Step k runs at lr * (k + 1) / warmup_steps: lr / warmup_steps first, the full lr at the last warmup step.
+            warmup = torch.optim.lr_scheduler.LinearLR(
+                optimizer, start_factor=1 / self.warmup_steps, total_iters=self.warmup_steps - 1
+            )
+            schedulers.insert(0, warmup)
         if not schedulers:
             return optimizer
         if len(schedulers) == 1:
@@ -225,5 +229,8 @@ class LitModel(LightningModule):
         self._eval_sums = None
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict[str, torch.Tensor]:
-        logits = self.net(batch[self.input_key])
-        return {"index": batch["index"], "prediction": logits.argmax(dim=-1), "probability": logits.softmax(-1).amax(-1)}
+        logits = self.net(batch[self.input_key])  # (B, num_classes)
+        out = {"prediction": logits.argmax(dim=-1), "probability": logits.softmax(-1).amax(-1)}
+        if "row" in batch:  # BucketDataModule's batches say which metadata row each sample is
+            out["row"] = batch["row"]
+        return out

@@ -133,6 +133,7 @@ class BucketDataModule(LightningDataModule):
             bucket_sizes=self.bucket_sizes,
             bucket_ids=bucket_ids,
             labels=None if meta.labels is None else meta.labels[rows],
+            rows=meta.rows[rows],
             random_crop=random_crop,
             seed=self.seed,
             storage_options=self.storage_options,

@@ -17,7 +17,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
     """Images resized to cover their bucket and cropped to it, as uint8 tensors.
 
     A batch is a dict: ``image`` (B, 3, H, W) uint8, ``label`` (B,) int64 when the
-    table has labels, ``index`` (B,) int64, the row of each sample, and ``weight``
+    table has labels, ``row`` (B,) int64, the metadata table row of each sample, and ``weight``
     (B,) float32: 0 for padding that evaluation metrics must not count.
     """
 
@@ -28,6 +28,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         bucket_sizes: np.ndarray,
         bucket_ids: np.ndarray,
         labels: np.ndarray | None = None,
+        rows: np.ndarray | None = None,
         random_crop: bool = False,
         seed: int = 0,
         storage_options: dict | None = None,
@@ -40,6 +41,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         self.bucket_sizes = bucket_sizes  # (K, 2) of (width, height)
         self.bucket_ids = bucket_ids
         self.labels = labels
+        self.rows = rows if rows is not None else np.arange(len(filenames))
         self.random_crop = random_crop
         self.seed = seed
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
@@ -56,7 +58,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
             used[slot] = self._load_into(images[slot], index, epoch)
         batch = {
             "image": torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),  # (B, C, H, W) uint8
-            "index": torch.from_numpy(used),
+            "row": torch.from_numpy(self.rows[used]),
             "weight": torch.full((len(indices),), weight, dtype=torch.float32),
         }
         if self.labels is not None:

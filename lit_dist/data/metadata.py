@@ -25,6 +25,7 @@ class Metadata:
     labels: np.ndarray | None  # int64 class indices
     classes: list[str] | None  # names of the classes when labels were strings
     splits: np.ndarray | None  # object array of "train" / "val" / "test"
+    rows: np.ndarray | None = None  # int64 row number of each entry in the parquet table
     skipped_rows: int = 0  # rows without a filename or with a non-positive size
 
     def __len__(self) -> int:
@@ -82,6 +83,7 @@ def read_metadata(path: str, storage_options: dict | None = None) -> Metadata:
         labels=labels,
         classes=classes,
         splits=splits,
+        rows=np.flatnonzero(keep),
         skipped_rows=int(bad.sum()),
     )
 

@@ -1,0 +1,66 @@
+"""lit-dist fit vs a plain Lightning script: steps/s and time from command to first step.
+
+Both train SimpleCNN on the same in-memory data (benchmarks.common.InMemoryData)
+with the same optimizer, for the same number of steps, one process each, runs
+alternating so that machine noise hits both alike. Targets (issue 2):
+steps/s ratio >= 0.97, time-to-first-step ratio <= 1.25.
+
+    .venv/bin/python -m benchmarks.bench_fit_overhead [--repeats 5] [--steps 300]
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import machine, parse_bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(cmd: list[str]) -> dict:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    started = time.time()
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    result = parse_bench(out.stdout)
+    result["to_first_step_s"] = result["first_step_at"] - started
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    tmp = tempfile.mkdtemp(prefix="lit-dist-bench-")
+    bindir = os.path.dirname(sys.executable)
+    lit = [os.path.join(bindir, "lit-dist"), "fit", "--trainer.max_steps", str(args.steps),
+           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+           "--trainer.log_every_n_steps", "50", "--trainer.callbacks+=benchmarks.common.StepTimer",
+           "--run.root_dir", tmp, "--run.name", "lit",
+           "--model.net", "lit_dist.models.SimpleCNN", "--model.net.num_classes", "4",
+           "--model.optimizer.class_path", "torch.optim.AdamW", "--model.optimizer.init_args.lr", "0.001",
+           "--data", "benchmarks.common.InMemoryData"]
+    plain = [sys.executable, "-m", "benchmarks.plain_lightning", str(args.steps), os.path.join(tmp, "plain")]
+    results: dict[str, list[dict]] = {"lit-dist": [], "plain": []}
+    for i in range(args.repeats):
+        for name, cmd in (("lit-dist", lit), ("plain", plain)) if i % 2 == 0 else (("plain", plain), ("lit-dist", lit)):
+            results[name].append(run(cmd))
+    med = {name: {k: statistics.median(r[k] for r in runs) for k in ("steps_per_s", "to_first_step_s")}
+           for name, runs in results.items()}
+    print(f"machine: {machine()}; {args.repeats} runs each, {args.steps} steps, medians")
+    for name, m in med.items():
+        print(f"  {name:9s} steps/s {m['steps_per_s']:8.2f}   command -> first step {m['to_first_step_s']:6.2f} s")
+    speed = med["lit-dist"]["steps_per_s"] / med["plain"]["steps_per_s"]
+    start = med["lit-dist"]["to_first_step_s"] / med["plain"]["to_first_step_s"]
+    print(f"steps/s ratio (lit-dist / plain):         {speed:.3f}  (target >= 0.97) {'OK' if speed >= 0.97 else 'MISSED'}")
+    print(f"time-to-first-step ratio (lit-dist/plain): {start:.3f}  (target <= 1.25) {'OK' if start <= 1.25 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Shared fixtures. Tiers are markers (see pyproject.toml); unmarked tests are ``unit``."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+
+
+def pytest_collection_modifyitems(items):
+    tiers = {"distributed", "slurm", "s3", "gpu"}
+    for item in items:
+        if not tiers & set(item.keywords):
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster_env(monkeypatch):
+    # With SLURM_* or torchrun variables around, Lightning would pick that cluster environment
+    # for in-process tests too, and the run id would follow the outer job.
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_", "PL_")) or name in ("LIT_DIST_RUN_ID", "LOCAL_RANK", "RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    """A small demo dataset (400 images) made once per test session; returns the metadata path."""
+    from lit_dist.data.demo import create_shapes_dataset
+
+    path = tmp_path_factory.mktemp("demo") / "shapes" / "metadata.parquet"
+    create_shapes_dataset(str(path), num_images=400, seed=0)
+    return path
+
+
+def lit_dist(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real ``lit-dist`` command line in a subprocess, as a user would."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}
+    clean.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "lit_dist", *args], cwd=cwd or REPO, env=clean, capture_output=True, text=True, timeout=timeout
+    )

@@ -1,0 +1,113 @@
+"""The command line as a user meets it: configs, overrides, help, bad input, run directories."""
+
+import inspect
+import re
+
+import pytest
+import yaml
+
+from lit_dist.cli import LitDistCLI
+from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.errors import ExitCode
+from lit_dist.module import LitModel
+from lit_dist.run import RunConfig, resolve_run_id
+from tests.conftest import CONFIGS, lit_dist
+
+SHIPPED = sorted(CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_builds_model_data_and_trainer(config, tmp_path, demo_data):
+    # Overlays like trainer_options.yaml are layered on the quickstart, the way their header says.
+    configs = [CONFIGS / "quickstart.yaml"] + ([config] if config.name != "quickstart.yaml" else [])
+    args = [a for c in configs for a in ("--config", str(c))]
+    cli = LitDistCLI(args=[*args, "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path)], run=False)
+    assert isinstance(cli.model, LitModel)
+    assert isinstance(cli.datamodule, BucketDataModule)
+    assert cli.trainer.default_root_dir.startswith(str(tmp_path))
+
+
+def test_several_configs_and_dotted_overrides_apply_in_order(tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("model:\n  warmup_steps: 7\ndata:\n  batch_size_per_device: 5\n")
+    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(extra),
+                   "--data.batch_size_per_device", "6", "--print_config")
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+    assert config["model"]["init_args"]["warmup_steps"] == 7
+    assert config["data"]["init_args"]["batch_size_per_device"] == 6
+    assert config["model"]["init_args"]["net"]["class_path"] == "lit_dist.models.SimpleCNN"
+
+
+def test_help_lists_every_knob_with_a_description():
+    out = lit_dist("fit", "--help")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for prefix, cls in (("model", LitModel), ("data", BucketDataModule), ("run", RunConfig)):
+        for name in inspect.signature(cls.__init__).parameters:
+            if name == "self":
+                continue
+            match = re.search(rf"^  --{prefix}\.{name}\b[^\n]*\n((?:\s{{20,}}.*\n)+)", text, re.M)
+            assert match, f"--{prefix}.{name} missing from --help"
+            assert not match.group(1).strip().startswith("(type"), f"--{prefix}.{name} has no description"
+
+
+@pytest.mark.parametrize(
+    "args,code,needles",
+    [
+        (["--model.lr_scalin", "linear"], ExitCode.CONFIG_ERROR, ["model.lr_scalin", "not accepted"]),
+        (["--trainer.max_epochs", "many"], ExitCode.CONFIG_ERROR, ["trainer.max_epochs", "int", "many"]),
+        (["--model.net.class_path", "no_such_pkg.Net"], ExitCode.CONFIG_ERROR, ["model.net", "no_such_pkg"]),
+        (["--model.base_batch_size", "0"], ExitCode.CONFIG_ERROR, ["model.base_batch_size = 0", ">= 1"]),
+        (["--data.metadata", "/nowhere/meta.parquet", "--data.create_demo_if_missing", "false"], ExitCode.DATA_ERROR,
+         ["data.metadata", "/nowhere/meta.parquet", "no such file"]),
+    ],
+    ids=["unknown-key", "wrong-type", "bad-class-path", "bad-value", "missing-metadata"],
+)
+def test_bad_input_gets_one_clear_message_and_a_documented_exit_code(args, code, needles, tmp_path):
+    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--run.root_dir", str(tmp_path),
+                   "--trainer.max_epochs", "1", *args)
+    assert out.returncode == code, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "usage:" not in out.stderr
+    error = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert len(error) == 1, out.stderr[-2000:]
+    for needle in needles:
+        assert needle in error[0]
+
+
+def test_run_id_is_shared_by_child_processes_and_follows_slurm():
+    assert resolve_run_id("mine", {"SLURM_JOB_ID": "5"}) == "mine"
+    assert resolve_run_id(None, {"LIT_DIST_RUN_ID": "abc", "SLURM_JOB_ID": "5"}) == "abc"
+    assert resolve_run_id(None, {"SLURM_JOB_ID": "77"}) == "slurm-77"
+    assert resolve_run_id(None, {"SLURM_JOB_ID": "78", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"}) == "slurm-70_3"
+    assert re.fullmatch(r"\d{8}-\d{6}", resolve_run_id(None, {}))
+
+
+def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data):
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
+            "--run.root_dir", str(tmp_path), "--run.run_id", "same", "--trainer.max_epochs", "1",
+            "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1", "--data.num_workers", "0"]
+    for _ in range(2):
+        out = lit_dist(*args)
+        assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "quickstart" / "same"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["run"]["run_id"] == "same"
+    assert list((run / "checkpoints").glob("*.ckpt"))
+    assert list(run.glob("events.out.tfevents.*"))
+
+
+def test_validate_test_and_predict_use_a_checkpoint(tmp_path, demo_data):
+    common = ["--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
+              "--run.root_dir", str(tmp_path), "--data.num_workers", "0", "--trainer.enable_progress_bar", "false"]
+    out = lit_dist("fit", *common, "--run.run_id", "train", "--trainer.max_epochs", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = next((tmp_path / "quickstart" / "train" / "checkpoints").glob("*.ckpt"))
+    for sub, needle in (("validate", "val/acc"), ("test", "test/acc"), ("predict", "predictions written")):
+        out = lit_dist(sub, *common, "--run.run_id", sub, "--ckpt_path", str(ckpt))
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert needle in out.stdout
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "quickstart" / "predict" / "predictions-rank0.parquet")
+    assert table.num_rows == 400 and sorted(table.column("row").to_pylist()) == list(range(400))

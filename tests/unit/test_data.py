@@ -1,0 +1,81 @@
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.data.dataset import BucketImageDataset
+from lit_dist.data.metadata import read_metadata
+from lit_dist.errors import DataError
+
+
+def test_missing_metadata_names_the_path_and_the_fix(tmp_path):
+    with pytest.raises(DataError, match=r"data.metadata = .*nope.parquet.*no such file.*create_demo_if_missing"):
+        read_metadata(str(tmp_path / "nope.parquet"))
+
+
+def test_missing_columns_are_named(tmp_path):
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"filename": ["a.png"], "w": [3]}), path)
+    with pytest.raises(DataError, match="lacks the required column.*width, height"):
+        read_metadata(str(path))
+
+
+def test_bad_rows_are_skipped_and_counted_and_string_labels_mapped(tmp_path):
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.table({
+        "filename": ["a.png", "b.png", None, "d.png", "e.png"],
+        "width": [10, 0, 10, 10, None],
+        "height": [10, 10, 10, 10, 10],
+        "label": ["dog", "cat", "cat", "cat", "dog"],
+    }), path)
+    meta = read_metadata(str(path))
+    assert meta.skipped_rows == 3
+    assert list(meta.filenames) == ["a.png", "d.png"]
+    assert list(meta.rows) == [0, 3]
+    assert meta.classes == ["cat", "dog"] and list(meta.labels) == [1, 0]
+
+
+def test_batches_are_uint8_bucket_sized_and_crops_repeat_per_seed_epoch_index(demo_data):
+    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    request = next(iter(loader.sampler))
+    first, again = loader.dataset[request], loader.dataset[request]
+    width, height = dm.bucket_sizes[loader.dataset.bucket_ids[request[1][0]]]
+    assert first["image"].dtype == torch.uint8 and first["image"].shape == (8, 3, height, width)
+    assert torch.equal(first["image"], again["image"])
+    later = loader.dataset[(request[0] + 1, request[1], 1.0)]
+    assert not torch.equal(first["image"], later["image"]), "random crops should change with the epoch"
+    normalised = dm.on_after_batch_transfer(dict(first), 0)["image"]
+    assert normalised.dtype == torch.float32 and -1.01 <= normalised.min() and normalised.max() <= 1.01
+
+
+def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_path):
+    meta = read_metadata(str(demo_data))
+    bucket_sizes = np.array([[32, 32]])
+    dataset = BucketImageDataset(str(demo_data.parent), meta.filenames, bucket_sizes, np.zeros(len(meta), dtype=np.int64))
+    broken = demo_data.parent / meta.filenames[0]
+    original = broken.read_bytes()
+    try:
+        broken.write_bytes(b"not an image")
+        batch = dataset[(0, [0, 1], 1.0)]
+    finally:
+        broken.write_bytes(original)
+    assert batch["image"].shape == (2, 3, 32, 32)
+    assert batch["row"].tolist() == [1, 1], "the bad sample is replaced by the next one of the same bucket"
+
+
+def test_demo_dataset_is_generated_once_with_a_table_that_reads_back(tmp_path):
+    path = tmp_path / "shapes" / "metadata.parquet"
+    dm = BucketDataModule(str(path), create_demo_if_missing=True, demo_num_images=40, resolution=32)
+    dm.prepare_data()
+    meta = read_metadata(str(path))
+    assert len(meta) == 40 and meta.skipped_rows == 0
+    assert sorted(meta.classes) == ["circle", "cross", "square", "triangle"]
+    assert all((path.parent / f).is_file() for f in meta.filenames)
+    mtime = path.stat().st_mtime_ns
+    dm.prepare_data()
+    assert path.stat().st_mtime_ns == mtime, "an existing dataset must not be regenerated"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".demo-")], "temporary folder left behind"

@@ -1,0 +1,83 @@
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.models import SimpleCNN
+from lit_dist.module import LitModel
+
+
+def test_simple_cnn_takes_any_size_and_aspect():
+    net = SimpleCNN(num_classes=5)
+    for h, w in [(32, 32), (24, 48), (64, 16), (17, 33)]:
+        assert net(torch.randn(2, 3, h, w)).shape == (2, 5)
+
+
+def attach(model, devices_batch=16, world=1, accumulate=1):
+    class FakeTrainer:
+        world_size = world
+        accumulate_grad_batches = accumulate
+        logger = None
+
+        class datamodule:
+            batch_size_per_device = devices_batch
+
+    model._trainer = FakeTrainer()  # only what lr_scale reads
+    return model
+
+
+@pytest.mark.parametrize("mode,expected", [("none", 1.0), ("linear", 16 * 4 * 2 / 32), ("sqrt", math.sqrt(16 * 4 * 2 / 32))])
+def test_lr_scales_with_the_effective_batch(mode, expected):
+    model = attach(LitModel(SimpleCNN(), lr_scaling=mode, base_batch_size=32), devices_batch=16, world=4, accumulate=2)
+    assert model.effective_batch_size() == 128
+    assert model.lr_scale() == pytest.approx(expected)
+
+
+def test_warmup_then_the_configured_schedule(tmp_path):
+    model = LitModel(
+        SimpleCNN(num_classes=4),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+        warmup_steps=4,
+    )
+    attach(model)
+    config = model.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(7):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[:5] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
+    assert lrs[5] < 0.1 and lrs[6] < lrs[5], "after warmup the configured scheduler takes over"
+
+
+class Regression(LitModel):
+    """Subclasses override one method to train something else."""
+
+    def compute_loss(self, batch):
+        out = self.net(batch["image"]).mean(dim=1)
+        return torch.nn.functional.mse_loss(out, batch["label"].float()), {}
+
+
+def test_a_subclass_trains_with_its_own_loss_and_eval_counts_every_sample_once(demo_data, tmp_path):
+    model = Regression(SimpleCNN(num_classes=1))
+    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=16, num_workers=0, val_fraction=0.2)
+    trainer = Trainer(max_epochs=1, limit_train_batches=3, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(model, dm)
+    assert "val/loss" in trainer.callback_metrics and "train/loss" in trainer.callback_metrics
+    # The logged validation loss is the per-sample mean over the whole validation split.
+    model.eval()
+    dm.setup("validate")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in dm.val_dataloader():
+            batch = dm.on_after_batch_transfer(batch, 0)
+            loss, _ = model.compute_loss(batch)
+            total += float(loss) * float(batch["weight"].sum())
+            count += int(batch["weight"].sum())
+    assert count == len(dm._splits["val"])
+    assert float(trainer.callback_metrics["val/loss"]) == pytest.approx(total / count, rel=1e-4)

@@ -1,0 +1,65 @@
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from lit_dist.data.sampler import BucketBatchSampler
+
+
+def epoch_batches(bucket_ids, batch, world, epoch, shuffle=True, seed=0):
+    out = []
+    for rank in range(world):
+        sampler = BucketBatchSampler(bucket_ids, batch, world, rank, seed=seed, shuffle=shuffle)
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+        assert len(out[-1]) == len(sampler)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_rank_gets_the_same_number_of_one_bucket_batches(seed):
+    rng = np.random.default_rng(seed)
+    bucket_ids = rng.integers(0, rng.integers(1, 9), size=rng.integers(50, 3000))
+    batch, world = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+    per_rank = epoch_batches(bucket_ids, batch, world, epoch=int(rng.integers(0, 5)))
+    assert len({len(batches) for batches in per_rank}) == 1
+    seen = Counter()
+    for batches in per_rank:
+        for _epoch, indices, weight in batches:
+            assert len(indices) == batch and weight == 1.0
+            assert len(set(bucket_ids[indices])) == 1, "a batch mixes buckets"
+            seen.update(indices)
+    assert all(count == 1 for count in seen.values()), "a sample was dealt twice in one epoch"
+    expected = sum((c // (batch * world)) * batch * world for c in np.bincount(bucket_ids))
+    assert sum(seen.values()) == expected
+
+
+def test_order_depends_only_on_seed_and_epoch():
+    bucket_ids = np.random.default_rng(0).integers(0, 4, size=500)
+    assert epoch_batches(bucket_ids, 4, 2, epoch=3) == epoch_batches(bucket_ids, 4, 2, epoch=3)
+    assert epoch_batches(bucket_ids, 4, 2, epoch=3) != epoch_batches(bucket_ids, 4, 2, epoch=4)
+    assert epoch_batches(bucket_ids, 4, 2, epoch=3, seed=1) != epoch_batches(bucket_ids, 4, 2, epoch=3)
+
+
+def test_leftovers_rotate_so_no_sample_is_left_out_for_good():
+    bucket_ids = np.array([0] * 37 + [1] * 23)  # neither fills whole global batches of 8
+    used = set()
+    for epoch in range(12):
+        for batches in epoch_batches(bucket_ids, 4, 2, epoch):
+            for _epoch, indices, _w in batches:
+                used.update(indices)
+    assert used == set(range(60))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 16])
+def test_evaluation_counts_each_sample_once_with_equal_steps(world):
+    bucket_ids = np.random.default_rng(1).integers(0, 3, size=53)
+    per_rank = epoch_batches(bucket_ids, 4, world, epoch=0, shuffle=False)
+    assert len({len(batches) for batches in per_rank}) == 1, "ranks would run different step counts"
+    counted = Counter()
+    for batches in per_rank:
+        for _epoch, indices, weight in batches:
+            assert len(set(bucket_ids[indices])) == 1
+            if weight:
+                counted.update(indices)
+    assert counted == Counter(range(53))
