@@ -43,7 +43,7 @@ class StepTimer(Callback):
         steps = trainer.global_step - self.warmup_steps
         elapsed = time.perf_counter() - self.start
         if trainer.is_global_zero:
-            print("BENCH " + json.dumps({"first_step_at": self.first_step_at, "steps_per_s": steps / elapsed, "threads": torch.get_num_threads(), "training": pl_module.training, "grad": torch.is_grad_enabled()}), flush=True)
+            print("BENCH " + json.dumps({"first_step_at": self.first_step_at, "steps_per_s": steps / elapsed}), flush=True)
 
 
 def machine() -> str:

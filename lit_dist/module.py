@@ -224,7 +224,7 @@ class LitModel(LightningModule):
         # One all-reduce of sums and the sample count: exact means however batches fell on ranks.
         totals = self.trainer.strategy.reduce(self._eval_sums, reduce_op="sum")
         means = totals[:-1] / totals[-1].clamp_min(1)
-        for name, value in zip(self._eval_names, means):
+        for name, value in zip(self._eval_names, means, strict=True):
             self.log(f"{prefix}/{name}", value, prog_bar=name != "loss")  # same value on every rank
         self._eval_sums = None
 

@@ -23,7 +23,7 @@ def test_each_image_goes_to_the_bucket_of_nearest_aspect():
     widths = np.array([1000, 500, 2000, 300, 1920])
     heights = np.array([1000, 1000, 1000, 900, 1080])
     chosen = buckets[assign_buckets(widths, heights, buckets)]
-    for (w, h), (bw, bh) in zip(zip(widths, heights), chosen):
+    for (w, h), (bw, bh) in zip(zip(widths, heights, strict=True), chosen, strict=True):
         distances = np.abs(np.log(buckets[:, 0] / buckets[:, 1]) - np.log(w / h))
         assert np.isclose(abs(np.log(bw / bh) - np.log(w / h)), distances.min())
 

@@ -81,3 +81,10 @@ def test_a_subclass_trains_with_its_own_loss_and_eval_counts_every_sample_once(d
             count += int(batch["weight"].sum())
     assert count == len(dm._splits["val"])
     assert float(trainer.callback_metrics["val/loss"]) == pytest.approx(total / count, rel=1e-4)
+
+
+def test_compile_keeps_parameter_names_so_checkpoints_stay_portable():
+    plain = LitModel(SimpleCNN(num_classes=3))
+    compiled = LitModel(SimpleCNN(num_classes=3), compile=True)
+    compiled.configure_model()
+    assert list(compiled.state_dict()) == list(plain.state_dict())
