@@ -1,18 +1,22 @@
-"""``BucketDataModule``: aspect-ratio-bucketed images from a parquet metadata table.
+"""``BucketDataModule``: aspect-ratio-bucketed images from a parquet table or a folder scan.
 
 Example (YAML)::
 
     data:
-      metadata: data/shapes/metadata.parquet
+      metadata: s3://my-bucket/meta/          # a parquet file, folder of files or glob
+      storage_options: {endpoint_url: http://127.0.0.1:9000}
       batch_size_per_device: 32
-      resolution: 32
+      resolution: 512
+
+    data:
+      scan_root: /datasets/photos              # no table: index the folder (headers only, cached)
+      labels_from_folders: true
 
 Batches leave the loader workers as uint8 and are converted and normalised on
 the device (``on_after_batch_transfer``): four times less to copy, and the
 arithmetic runs where it is cheap.
 """
 
-import logging
 import os
 
 import numpy as np
@@ -22,26 +26,33 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_dist.errors import ConfigError, DataError
 
-log = logging.getLogger(__name__)
-
 
 class BucketDataModule(LightningDataModule):
     """Images grouped into aspect-ratio buckets, with a sampler that gives every rank equal work."""
 
     def __init__(
         self,
-        metadata: str,
+        metadata: str | None = None,
+        scan_root: str | None = None,
         root: str | None = None,
         batch_size_per_device: int = 32,
         resolution: int = 256,
         alignment: int = 8,
         max_aspect: float = 2.0,
         random_crop: bool = True,
+        repeats: int = 1,
+        allow_oversubscription: bool = False,
         val_fraction: float = 0.05,
+        extra_columns: list[str] | None = None,
+        strict: bool = False,
+        labels_from_folders: bool = False,
+        index_cache: str | None = None,
+        preserve_cache: bool = False,
         num_workers: int = 2,
         seed: int = 0,
         mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
         std: tuple[float, float, float] = (0.5, 0.5, 0.5),
+        max_image_pixels: int = 178_956_970,
         storage_options: dict | None = None,
         create_demo_if_missing: bool = False,
         demo_num_images: int = 3000,
@@ -49,43 +60,69 @@ class BucketDataModule(LightningDataModule):
         """Configure the data.
 
         Args:
-            metadata: Parquet table (local path or fsspec URL) with columns filename, width, height [, label, caption, split].
-            root: Folder the filenames are relative to; default: the folder of ``metadata``.
+            metadata: Parquet table: a file, a folder of .parquet files or a glob, local or fsspec URL (s3://...).
+            scan_root: Instead of metadata: a folder of images (local or URL) to index by reading image headers.
+            root: Folder the filenames are relative to; default: the folder of metadata, or scan_root.
             batch_size_per_device: Samples per batch on each device; the global batch is this x world size.
             resolution: Bucket area is about resolution**2 pixels (e.g. 256 gives 256x256, 320x192, ...).
             alignment: Bucket sides are multiples of this many pixels.
             max_aspect: Largest bucket aspect ratio, long side / short side.
             random_crop: Crop training images at a random offset (from seed, epoch, index) instead of the centre.
-            val_fraction: Share of rows used for validation when the table has no ``split`` column.
+            repeats: Times each training sample is seen per epoch.
+            allow_oversubscription: Repeat buckets smaller than one global batch as often as needed instead of failing.
+            val_fraction: Share of rows used for validation when the table has no split column.
+            extra_columns: Table columns passed through to batches; default: caption if present.
+            strict: Fail on any bad row (bad path, size or duplicate) instead of skipping and reporting it.
+            labels_from_folders: With scan_root: the first folder level of each image is its label.
+            index_cache: With scan_root: where the index is cached; default ~/.cache/lit-dist/index-<hash>.parquet.
+            preserve_cache: With scan_root: use the cached index as it is, without rescanning the folder.
             num_workers: Loader worker processes per device; 0 loads in the training process.
             seed: Seed of the data order and random crops; the order depends only on (seed, epoch).
             mean: Per-channel mean subtracted after scaling pixels to [0, 1].
             std: Per-channel standard deviation divided by after subtracting the mean.
-            storage_options: fsspec options for remote metadata and images (e.g. S3 endpoint); no secrets here, use env vars.
-            create_demo_if_missing: Generate the demo shapes dataset at ``metadata`` if it does not exist.
+            max_image_pixels: Images with more pixels are refused as decompression bombs (Pillow's guard).
+            storage_options: fsspec options for remote data (e.g. endpoint_url); credentials come from env vars.
+            create_demo_if_missing: Generate the demo shapes dataset at metadata if it does not exist.
             demo_num_images: Number of images the demo dataset gets when generated.
         """
         super().__init__()
         problems = []
+        if (metadata is None) == (scan_root is None):
+            problems.append(f"data.metadata = {metadata!r}, data.scan_root = {scan_root!r}: set exactly one of them")
         if batch_size_per_device < 1:
             problems.append(f"data.batch_size_per_device = {batch_size_per_device}: must be >= 1")
+        if repeats < 1:
+            problems.append(f"data.repeats = {repeats}: must be >= 1")
         if not 0 <= val_fraction < 1:
             problems.append(f"data.val_fraction = {val_fraction}: must be in [0, 1)")
         if num_workers < 0:
             problems.append(f"data.num_workers = {num_workers}: must be >= 0 (0 loads in the training process)")
         if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
             problems.append(f"data.mean = {list(mean)}, data.std = {list(std)}: need 3 values each, std > 0")
+        if create_demo_if_missing and metadata is not None and "://" in metadata:
+            problems.append(f"data.create_demo_if_missing needs a local data.metadata path, not {metadata!r}")
         ConfigError.collect(problems)
         from lit_dist.data.buckets import make_buckets
 
         self.bucket_sizes = make_buckets(resolution, alignment, max_aspect)  # validates those three
         self.metadata = metadata
-        self.root = root if root is not None else os.path.dirname(metadata) or "."
+        self.scan_root = scan_root
+        if root is None:
+            root = scan_root if scan_root is not None else _parent(metadata)
+        self.root = root
         self.batch_size_per_device = batch_size_per_device
         self.random_crop = random_crop
+        self.repeats = repeats
+        self.allow_oversubscription = allow_oversubscription
         self.val_fraction = val_fraction
+        self.extra_columns = extra_columns
+        self.strict = strict
+        self.labels_from_folders = labels_from_folders
+        self.index_cache = index_cache
+        self.preserve_cache = preserve_cache
         self.num_workers = num_workers
         self.seed = seed
+        self.max_image_pixels = max_image_pixels
         self.storage_options = storage_options
         self.create_demo_if_missing = create_demo_if_missing
         self.demo_num_images = demo_num_images
@@ -93,63 +130,111 @@ class BucketDataModule(LightningDataModule):
         self.std = torch.tensor(std).view(1, 3, 1, 1) * 255
         self.classes: list[str] | None = None
         self._splits: dict = {}
+        self._resume: dict | None = None
+
+    # -- reading ----------------------------------------------------------------------------
+
+    @property
+    def table_path(self) -> str:
+        """The parquet table this module reads: ``metadata``, or the cached index of ``scan_root``."""
+        if self.metadata is not None:
+            return self.metadata
+        from lit_dist.data.discovery import default_cache_path
+
+        return self.index_cache or default_cache_path(self.scan_root)
 
     def prepare_data(self) -> None:
         # Lightning runs this on local rank 0 of each node while the other ranks wait.
-        if self.create_demo_if_missing and not os.path.exists(self.metadata):
+        if self.create_demo_if_missing and self.metadata is not None and not os.path.exists(self.metadata):
             from lit_dist.data.demo import create_shapes_dataset
 
             rank_zero_info(f"lit-dist: demo dataset not found at {self.metadata}; generating it (once)")
             create_shapes_dataset(self.metadata, num_images=self.demo_num_images, seed=self.seed)
+        if self.scan_root is not None:
+            from lit_dist.data.discovery import load_or_scan
+
+            load_or_scan(self.scan_root, self.table_path, self.storage_options, self.labels_from_folders,
+                         self.preserve_cache)
+
+    def read(self):
+        """The cleaned metadata (bad rows reported) and each row's bucket and split (0 train, 1 val, 2 test)."""
+        from lit_dist.data.buckets import assign_buckets
+        from lit_dist.data.metadata import hash_split, read_metadata
+
+        # The cached index of a scan is on local or home storage, not behind storage_options.
+        options = self.storage_options if self.metadata is not None else None
+        meta = read_metadata(self.table_path, options, extra_columns=self.extra_columns, strict=self.strict)
+        if meta.bad.total:
+            rank_zero_warn(f"lit-dist: skipped {meta.bad.total} bad rows of {self.table_path}: {meta.bad.summary()}")
+        if meta.splits is not None:
+            splits = meta.splits
+        elif self.val_fraction > 0:
+            splits = hash_split(meta.filenames, self.val_fraction)
+        else:
+            splits = np.zeros(len(meta), dtype=np.int8)
+        return meta, assign_buckets(meta.widths, meta.heights, self.bucket_sizes), splits
 
     def setup(self, stage: str) -> None:
         if self._splits:
             return
-        from lit_dist.data.buckets import assign_buckets
-        from lit_dist.data.metadata import hash_split, read_metadata
-
-        meta = read_metadata(self.metadata, self.storage_options)
-        if meta.skipped_rows:
-            rank_zero_warn(f"lit-dist: skipped {meta.skipped_rows} rows of {self.metadata} without a filename or a positive width/height")
+        meta, bucket_ids, splits = self.read()
         self.classes = meta.classes
-        splits = meta.splits if meta.splits is not None else hash_split(meta.filenames, self.val_fraction)
-        bucket_ids = assign_buckets(meta.widths, meta.heights, self.bucket_sizes)
-        for split in ("train", "val", "test"):
-            rows = np.flatnonzero(splits == split)
+        for code, split in enumerate(("train", "val", "test")):
+            rows = np.flatnonzero(splits == code)
             self._splits[split] = self._dataset(meta, rows, bucket_ids[rows], random_crop=self.random_crop and split == "train")
-        everything = np.arange(len(meta))
-        self._splits["predict"] = self._dataset(meta, everything, bucket_ids, random_crop=False)
+        self._splits["predict"] = self._dataset(meta, np.arange(len(meta)), bucket_ids, random_crop=False)
         if len(self._splits["train"]) == 0 and stage == "fit":
-            raise DataError(f"data.metadata = {self.metadata!r} has no training rows (split column or data.val_fraction)")
+            raise DataError(f"{self.table_path}: no training rows (check the split column or data.val_fraction)")
         if len(self._splits["test"]) == 0:  # tables without a test split evaluate `test` on the validation rows
             self._splits["test"] = self._splits["val"]
 
     def _dataset(self, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool):
+        import pyarrow as pa
+
         from lit_dist.data.dataset import BucketImageDataset
 
+        take = pa.array(rows)
         return BucketImageDataset(
             root=self.root,
-            filenames=meta.filenames[rows],
+            filenames=meta.filenames.take(take),
             bucket_sizes=self.bucket_sizes,
             bucket_ids=bucket_ids,
             labels=None if meta.labels is None else meta.labels[rows],
             rows=meta.rows[rows],
+            extra={name: column.take(take) for name, column in meta.extra.items()},
             random_crop=random_crop,
             seed=self.seed,
             storage_options=self.storage_options,
+            max_image_pixels=self.max_image_pixels,
         )
 
-    def _loader(self, split: str, shuffle: bool, distributed: bool = True) -> torch.utils.data.DataLoader:
-        from lit_dist.data.sampler import BucketBatchSampler
+    # -- batches ----------------------------------------------------------------------------
 
-        dataset = self._splits[split]
+    def world(self) -> tuple[int, int]:
+        """(world size, global rank) of the attached trainer, or (1, 0)."""
         trainer = self.trainer
-        world_size, rank = (trainer.world_size, trainer.global_rank) if (trainer and distributed) else (1, 0)
-        sampler = BucketBatchSampler(dataset.bucket_ids, self.batch_size_per_device, world_size, rank, self.seed, shuffle)
-        if shuffle:
-            self._check_buckets(sampler, dataset)
+        return (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+
+    def train_sampler(self, world_size: int, rank: int):
+        """The training sampler for a world of ``world_size``; raises DataError when buckets are too small."""
+        from lit_dist.data.sampler import BucketBatchSampler, plan_buckets
+
+        dataset = self._splits["train"]
+        global_batch = self.batch_size_per_device * world_size
+        repeats, rows, problems = plan_buckets(dataset.bucket_ids, self.bucket_sizes, global_batch, self.repeats,
+                                               self.allow_oversubscription)
+        if problems:
+            raise DataError("; ".join(problems))
+        raised = [r for r in rows if r["repeats"] > self.repeats]
+        if raised:
+            rank_zero_warn("lit-dist: allow_oversubscription repeats small buckets: "
+                           + ", ".join(f"{r['bucket']} x{r['repeats']} ({r['samples']} samples)" for r in raised))
+        return BucketBatchSampler(dataset.bucket_ids, self.batch_size_per_device, world_size, rank, self.seed,
+                                  shuffle=True, repeats=repeats)
+
+    def _loader(self, split: str, sampler) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
-            dataset,
+            self._splits[split],
             sampler=sampler,
             batch_size=None,  # the dataset returns whole batches
             num_workers=self.num_workers,
@@ -157,32 +242,55 @@ class BucketDataModule(LightningDataModule):
             pin_memory=torch.cuda.is_available(),
         )
 
-    def _check_buckets(self, sampler, dataset) -> None:
-        g = sampler.global_batch_size
-        small = [(tuple(self.bucket_sizes[dataset.bucket_ids[m[0]]]), len(m)) for m in sampler.members if len(m) < g]
-        if small and len(sampler) == 0:
-            raise DataError(
-                f"every bucket is smaller than one global batch ({g} = data.batch_size_per_device x world size), so "
-                f"an epoch would have zero batches. Buckets (width, height): samples = {dict(small)}. "
-                f"Lower data.batch_size_per_device, or use fewer, larger buckets (raise data.alignment or lower data.max_aspect)."
-            )
-        if small:
-            rank_zero_warn(f"lit-dist: buckets smaller than one global batch ({g}) are unused this epoch: {dict(small)}")
+    def _eval_loader(self, split: str, distributed: bool = True):
+        from lit_dist.data.sampler import BucketBatchSampler
+
+        world_size, rank = self.world() if distributed else (1, 0)
+        dataset = self._splits[split]
+        return self._loader(split, BucketBatchSampler(dataset.bucket_ids, self.batch_size_per_device, world_size, rank,
+                                                      self.seed, shuffle=False))
 
     def train_dataloader(self):
-        return self._loader("train", shuffle=True)
+        sampler = self.train_sampler(*self.world())
+        if self._resume is not None:
+            sampler.set_epoch(self._resume["epoch"])
+            sampler.start_batch = self._resume["batches_done"]
+            self._resume = None
+        return self._loader("train", sampler)
 
     def val_dataloader(self):
-        return self._loader("val", shuffle=False)
+        return self._eval_loader("val")
 
     def test_dataloader(self):
-        return self._loader("test", shuffle=False)
+        return self._eval_loader("test")
 
     def predict_dataloader(self):
         # Every row of the table. Lightning splits the batches of one sampler among ranks itself when predicting.
-        return self._loader("predict", shuffle=False, distributed=False)
+        return self._eval_loader("predict", distributed=False)
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         image = batch["image"].float()  # (B, C, H, W), 0..255
         batch["image"] = (image - self.mean.to(image.device)) / self.std.to(image.device)
         return batch
+
+    # -- resume -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The training position, saved in checkpoints: (epoch, batches done in it)."""
+        trainer = self.trainer
+        if trainer is None or not trainer.training:
+            return {}
+        return {"epoch": trainer.current_epoch, "batches_done": trainer.fit_loop.epoch_loop.batch_progress.current.completed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved position without replaying the loader: the sampler skips what was done."""
+        self._resume = dict(state) if state else None
+
+
+def _parent(metadata: str) -> str:
+    """The folder a table's filenames are relative to by default: the table's own folder."""
+    path = metadata.rstrip("/")
+    if path.endswith(".parquet") or any(c in path for c in "*?["):
+        path = path.split("*")[0].split("?")[0].split("[")[0]
+        path = path.rsplit("/", 1)[0] if "/" in path else "."
+    return path or "."

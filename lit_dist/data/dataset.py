@@ -29,15 +29,19 @@ class BucketImageDataset(torch.utils.data.Dataset):
         bucket_ids: np.ndarray,
         labels: np.ndarray | None = None,
         rows: np.ndarray | None = None,
+        extra: dict | None = None,
         random_crop: bool = False,
         seed: int = 0,
         storage_options: dict | None = None,
+        max_image_pixels: int | None = 178_956_970,
     ):
         import fsspec
 
         self.fs, self.root = fsspec.core.url_to_fs(root, **(storage_options or {}))
         self.root = self.root.rstrip("/")
-        self.filenames = filenames
+        self.filenames = filenames  # pyarrow string array: one shared buffer, no per-row Python objects
+        self.extra = extra or {}  # name -> pyarrow array passed through to batches
+        self.max_image_pixels = max_image_pixels
         self.bucket_sizes = bucket_sizes  # (K, 2) of (width, height)
         self.bucket_ids = bucket_ids
         self.labels = labels
@@ -63,6 +67,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
         }
         if self.labels is not None:
             batch["label"] = torch.from_numpy(self.labels[used])
+        for name, column in self.extra.items():
+            batch[name] = _column_batch(column.take(used))
         return batch
 
     def _load_into(self, out: np.ndarray, index: int, epoch: int) -> int:
@@ -85,9 +91,20 @@ class BucketImageDataset(torch.utils.data.Dataset):
         return int(members[(pos + 1) % len(members)])
 
     def _path(self, index: int) -> str:
-        return f"{self.root}/{self.filenames[index]}"
+        return f"{self.root}/{self.filenames[int(index)].as_py()}"
 
     def _decode(self, index: int, width: int, height: int, epoch: int) -> np.ndarray:
+        import warnings
+
+        from PIL import Image
+
+        Image.MAX_IMAGE_PIXELS = self.max_image_pixels
+        with warnings.catch_warnings():
+            # Between 1x and 2x the limit Pillow only warns; refuse those too.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return self._decode_file(index, width, height, epoch)
+
+    def _decode_file(self, index: int, width: int, height: int, epoch: int) -> np.ndarray:
         from PIL import Image, ImageOps
 
         with self.fs.open(self._path(index), "rb") as f:
@@ -106,3 +123,13 @@ class BucketImageDataset(torch.utils.data.Dataset):
         else:
             left, top = free_x // 2, free_y // 2
         return np.asarray(img.crop((left, top, left + width, top + height)))  # (H, W, C)
+
+
+def _column_batch(values):
+    """Numbers become a tensor; text and anything else a list (the default collate keeps lists as they are)."""
+    import pyarrow as pa
+
+    numeric = pa.types.is_integer(values.type) or pa.types.is_floating(values.type) or pa.types.is_boolean(values.type)
+    if numeric and not values.null_count:
+        return torch.from_numpy(values.to_numpy(zero_copy_only=False))
+    return values.to_pylist()

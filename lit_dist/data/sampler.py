@@ -40,6 +40,7 @@ class BucketBatchSampler(DistributedSampler):
         rank: int = 0,
         seed: int = 0,
         shuffle: bool = True,
+        repeats: np.ndarray | int = 1,
     ):
         # DistributedSampler's own __init__ would query the process group; set what it sets instead.
         self.num_replicas = num_replicas
@@ -55,7 +56,11 @@ class BucketBatchSampler(DistributedSampler):
         counts = np.bincount(self.bucket_ids) if len(self.bucket_ids) else np.zeros(0, dtype=np.int64)
         self.members = [m for m in np.split(order, np.cumsum(counts)[:-1]) if len(m)]
         if shuffle:
-            self.members = [m[rng.permutation(len(m))] for m in self.members]
+            present = np.flatnonzero(counts)
+            times = np.broadcast_to(np.asarray(repeats, dtype=np.int64), counts.shape)[present] if len(counts) else []
+            # Repeats tile a bucket's members; each copy is shuffled on its own so a sample's copies spread out.
+            self.members = [np.concatenate([m[rng.permutation(len(m))] for _ in range(int(r))]) for m, r in zip(self.members, times, strict=True)]
+        self.start_batch = 0  # batches of the current epoch to skip: set when resuming mid-epoch
 
     @property
     def global_batch_size(self) -> int:
@@ -72,7 +77,10 @@ class BucketBatchSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[tuple[int, list[int], float]]:
         if self.shuffle:
-            for batch in self._train_batches():
+            # Resuming mid-epoch skips the batches already trained on: the plan is recomputed from
+            # (seed, epoch), so nothing is decoded or replayed to get back to the position.
+            start, self.start_batch = self.start_batch, 0
+            for batch in self._train_batches()[start:]:
                 yield self.epoch, batch.tolist(), 1.0
             return
         b = self.batch_size_per_device
@@ -99,3 +107,33 @@ class BucketBatchSampler(DistributedSampler):
         stacked = np.concatenate(global_batches)  # (num_global_batches, g)
         stacked = stacked[rng.permutation(len(stacked))]
         return stacked[:, self.rank * self.batch_size_per_device : (self.rank + 1) * self.batch_size_per_device]
+
+
+def plan_buckets(bucket_ids: np.ndarray, bucket_sizes: np.ndarray, global_batch: int, repeats: int = 1,
+                 allow_oversubscription: bool = False) -> tuple[np.ndarray, list[dict], list[str]]:
+    """Repeats per bucket, a report row per bucket, and the problems that make training impossible.
+
+    A bucket with fewer than one global batch of samples (after ``repeats``) would never
+    yield a batch: that is a problem naming the bucket, unless ``allow_oversubscription``
+    raises its repeats to the minimum that fills one global batch.
+    """
+    num_buckets = len(bucket_sizes)
+    counts = np.bincount(np.asarray(bucket_ids, dtype=np.int64), minlength=num_buckets)
+    per_bucket = np.full(num_buckets, repeats, dtype=np.int64)
+    rows, too_small = [], []
+    for b in np.flatnonzero(counts):
+        n = int(counts[b])
+        needed = -(-global_batch // n)
+        if n * repeats < global_batch:
+            too_small.append((b, n, needed))
+            if allow_oversubscription:
+                per_bucket[b] = needed
+        samples = n * int(per_bucket[b])
+        rows.append({"bucket": tuple(int(v) for v in bucket_sizes[b]), "samples": n, "repeats": int(per_bucket[b]),
+                     "batches_per_rank": samples // global_batch, "left_for_next_epoch": samples % global_batch})
+    problems = []
+    if too_small and not allow_oversubscription:
+        problems = [f"bucket {tuple(int(v) for v in bucket_sizes[b])} (width, height) has {n} samples x {repeats} repeats, fewer than one global batch of {global_batch}: "
+                    f"it would never be used. Set data.repeats >= {needed}, lower data.batch_size_per_device, or set "
+                    f"data.allow_oversubscription: true to repeat small buckets automatically" for b, n, needed in too_small]
+    return per_bucket, rows, problems

@@ -60,7 +60,7 @@ def test_help_lists_every_knob_with_a_description():
         (["--model.net.class_path", "no_such_pkg.Net"], ExitCode.CONFIG_ERROR, ["model.net", "no_such_pkg"]),
         (["--model.base_batch_size", "0"], ExitCode.CONFIG_ERROR, ["model.base_batch_size = 0", ">= 1"]),
         (["--data.metadata", "/nowhere/meta.parquet", "--data.create_demo_if_missing", "false"], ExitCode.DATA_ERROR,
-         ["data.metadata", "/nowhere/meta.parquet", "no such file"]),
+         ["data.metadata", "/nowhere/meta.parquet", "no parquet file"]),
     ],
     ids=["unknown-key", "wrong-type", "bad-class-path", "bad-value", "missing-metadata"],
 )
@@ -86,7 +86,8 @@ def test_run_id_is_shared_by_child_processes_and_follows_slurm():
 def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data):
     args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
             "--run.root_dir", str(tmp_path), "--run.run_id", "same", "--trainer.max_epochs", "1",
-            "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1", "--data.num_workers", "0"]
+            "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1", "--data.num_workers", "0",
+            "--data.batch_size_per_device", "8"]
     for _ in range(2):
         out = lit_dist(*args)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -99,7 +100,8 @@ def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data)
 
 def test_validate_test_and_predict_use_a_checkpoint(tmp_path, demo_data):
     common = ["--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-              "--run.root_dir", str(tmp_path), "--data.num_workers", "0", "--trainer.enable_progress_bar", "false"]
+              "--run.root_dir", str(tmp_path), "--data.num_workers", "0", "--trainer.enable_progress_bar", "false",
+              "--data.batch_size_per_device", "8"]
     out = lit_dist("fit", *common, "--run.run_id", "train", "--trainer.max_epochs", "1")
     assert out.returncode == 0, out.stderr[-3000:]
     ckpt = next((tmp_path / "quickstart" / "train" / "checkpoints").glob("*.ckpt"))

@@ -11,7 +11,7 @@ from lit_dist.errors import DataError
 
 
 def test_missing_metadata_names_the_path_and_the_fix(tmp_path):
-    with pytest.raises(DataError, match=r"data.metadata = .*nope.parquet.*no such file.*create_demo_if_missing"):
+    with pytest.raises(DataError, match=r"data.metadata = .*nope.parquet.*no parquet file.*create_demo_if_missing"):
         read_metadata(str(tmp_path / "nope.parquet"))
 
 
@@ -31,8 +31,8 @@ def test_bad_rows_are_skipped_and_counted_and_string_labels_mapped(tmp_path):
         "label": ["dog", "cat", "cat", "cat", "dog"],
     }), path)
     meta = read_metadata(str(path))
-    assert meta.skipped_rows == 3
-    assert list(meta.filenames) == ["a.png", "d.png"]
+    assert meta.bad.total == 3
+    assert meta.filenames.to_pylist() == ["a.png", "d.png"]
     assert list(meta.rows) == [0, 3]
     assert meta.classes == ["cat", "dog"] and list(meta.labels) == [1, 0]
 
@@ -56,7 +56,7 @@ def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_pat
     meta = read_metadata(str(demo_data))
     bucket_sizes = np.array([[32, 32]])
     dataset = BucketImageDataset(str(demo_data.parent), meta.filenames, bucket_sizes, np.zeros(len(meta), dtype=np.int64))
-    broken = demo_data.parent / meta.filenames[0]
+    broken = demo_data.parent / meta.filenames[0].as_py()
     original = broken.read_bytes()
     try:
         broken.write_bytes(b"not an image")
@@ -72,9 +72,9 @@ def test_demo_dataset_is_generated_once_with_a_table_that_reads_back(tmp_path):
     dm = BucketDataModule(str(path), create_demo_if_missing=True, demo_num_images=40, resolution=32)
     dm.prepare_data()
     meta = read_metadata(str(path))
-    assert len(meta) == 40 and meta.skipped_rows == 0
+    assert len(meta) == 40 and meta.bad.total == 0
     assert sorted(meta.classes) == ["circle", "cross", "square", "triangle"]
-    assert all((path.parent / f).is_file() for f in meta.filenames)
+    assert all((path.parent / f).is_file() for f in meta.filenames.to_pylist())
     mtime = path.stat().st_mtime_ns
     dm.prepare_data()
     assert path.stat().st_mtime_ns == mtime, "an existing dataset must not be regenerated"
