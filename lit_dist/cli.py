@@ -3,6 +3,8 @@
     lit-dist fit --config configs/quickstart.yaml
     lit-dist fit --config configs/quickstart.yaml --trainer.devices 2 --trainer.strategy ddp
     lit-dist fit --help
+    lit-dist plan --config configs/quickstart.yaml --trainer.devices 8 --trainer.num_nodes 4
+    lit-dist index /datasets/photos --output photos.parquet
 """
 
 import argparse
@@ -17,7 +19,7 @@ from lit_dist.run import RunConfig, run_dir
 
 MODEL = "lit_dist.module.LitModel"
 DATA = "lit_dist.data.datamodule.BucketDataModule"
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = ("fit", "validate", "test", "predict", "plan", "index")
 
 
 class LitDistCLI(LightningCLI):
@@ -106,6 +108,32 @@ class LitDistCLI(LightningCLI):
         print(f"  watch it:      tensorboard --logdir {run_path}\n", flush=True)
 
 
+class PlanCLI(LitDistCLI):
+    """Parses a run config and builds the model and data module, but no Trainer: nothing touches a GPU."""
+
+    def instantiate_classes(self) -> None:
+        self.config_init = self.parser.instantiate_classes(self.config)
+        self.datamodule = self._get(self.config_init, "data")
+        self.model = self._get(self.config_init, "model")
+        self.trainer = None
+
+
+def _dispatch(argv: list[str]) -> int | None:
+    """Run lit-dist's own subcommands (plan, index); None for the LightningCLI ones."""
+    if argv[:1] == ["plan"]:
+        from lit_dist.plan import plan
+
+        return plan(PlanCLI(args=argv[1:], run=False))
+    if argv[:1] == ["index"]:
+        from jsonargparse import CLI
+
+        from lit_dist.index import index
+
+        CLI(index, args=argv[1:], prog="lit-dist index", exit_on_error=False)
+        return int(ExitCode.OK)
+    return None
+
+
 def _silence_lightning_noise() -> None:
     """Drop messages that say nothing about the user's run."""
     # Advertisements for hosted services, printed on every run.
@@ -113,6 +141,8 @@ def _silence_lightning_noise() -> None:
         logging.getLogger(name).addFilter(lambda record: not str(record.msg).startswith("💡 Tip"))
     # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; nothing the user can act on.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # lit-dist passes its own argv (without the subcommand) to LightningCLI on purpose.
+    warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
     # LitModel all-reduces its evaluation sums itself, so the values it logs are already global.
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
 
@@ -130,11 +160,14 @@ def _user_error(exc: BaseException | None) -> LitDistError | None:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-dist`` console script."""
+    argv = sys.argv[1:] if args is None else args
     try:
         _silence_lightning_noise()
+        code = _dispatch(argv)
+        if code is not None:
+            sys.exit(code)
         LitDistCLI(args=args)
     except argparse.ArgumentError as err:
-        argv = sys.argv[1:] if args is None else args
         subcommand = next((a for a in argv if a in SUBCOMMANDS), "fit")
         print(f"lit-dist: error: {explain_parse_error(str(err))}", file=sys.stderr)
         print(f"  Fix it in the config file or on the command line; `lit-dist {subcommand} --help` lists every option.",

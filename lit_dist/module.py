@@ -39,6 +39,14 @@ from torch import nn
 from lit_dist.errors import ConfigError
 
 
+def lr_scale_factor(mode: str, effective_batch: int, base_batch: int) -> float:
+    """How much ``lr_scaling`` multiplies the configured lr by at ``effective_batch``."""
+    if mode == "none":
+        return 1.0
+    ratio = effective_batch / base_batch
+    return ratio if mode == "linear" else math.sqrt(ratio)
+
+
 class LitModel(LightningModule):
     """Trains ``net`` with a loss, an optimizer and an LR schedule given in the YAML."""
 
@@ -129,8 +137,7 @@ class LitModel(LightningModule):
                 f"{type(self.trainer.datamodule).__name__} has no `batch_size_per_device` attribute. "
                 "Add that attribute to it, or set model.lr_scaling: none."
             )
-        ratio = effective / self.base_batch_size
-        return ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
+        return lr_scale_factor(self.lr_scaling, effective, self.base_batch_size)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.parameters())

@@ -133,7 +133,12 @@ def plan_buckets(bucket_ids: np.ndarray, bucket_sizes: np.ndarray, global_batch:
                      "batches_per_rank": samples // global_batch, "left_for_next_epoch": samples % global_batch})
     problems = []
     if too_small and not allow_oversubscription:
-        problems = [f"bucket {tuple(int(v) for v in bucket_sizes[b])} (width, height) has {n} samples x {repeats} repeats, fewer than one global batch of {global_batch}: "
-                    f"it would never be used. Set data.repeats >= {needed}, lower data.batch_size_per_device, or set "
-                    f"data.allow_oversubscription: true to repeat small buckets automatically" for b, n, needed in too_small]
+        listed = ", ".join(f"{tuple(int(v) for v in bucket_sizes[b])}: {n} samples" for b, n, _ in too_small)
+        most = max(needed for _, _, needed in too_small)
+        problems.append(
+            f"{len(too_small)} bucket(s) (width, height) have fewer than one global batch of {global_batch} samples "
+            f"(data.batch_size_per_device x world size) with data.repeats = {repeats} and would never be used: {listed}. "
+            f"Set data.repeats >= {most}, lower data.batch_size_per_device, or set data.allow_oversubscription: true "
+            "to repeat just these buckets as often as needed"
+        )
     return per_bucket, rows, problems

@@ -1,0 +1,121 @@
+"""``lit-dist plan --config cfg.yaml``: what a run would do, checked before any GPU or process group.
+
+Prints the world size, batch sizes, learning rate, warmup, steps and a table of
+buckets, then every problem found. Exits 0 when the run can start, else with the
+exit code of the first kind of problem (configuration 2, data 3).
+"""
+
+import math
+import os
+
+from lit_dist.errors import ExitCode, LitDistError
+
+
+def world_size(trainer_config, environ: dict | None = None) -> tuple[int, int, int]:
+    """(world size, devices per node, nodes) from the trainer config, else the Slurm allocation, else this machine."""
+    env = os.environ if environ is None else environ
+    devices = trainer_config.devices
+    if isinstance(devices, (list, tuple)):
+        per_node = len(devices)
+    elif isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        per_node = int(devices)
+    elif isinstance(devices, int):
+        per_node = devices
+    else:
+        per_node = -1
+    if per_node == -1:  # "auto" or -1: the allocation says, else what this machine has
+        if env.get("SLURM_NTASKS_PER_NODE"):
+            per_node = int(env["SLURM_NTASKS_PER_NODE"].split("(")[0])
+        else:
+            import torch
+
+            accelerator = str(trainer_config.accelerator)
+            per_node = torch.cuda.device_count() if accelerator in ("auto", "gpu", "cuda") else 1
+            per_node = max(per_node, 1)
+    nodes = int(trainer_config.num_nodes or 1)
+    if nodes == 1 and env.get("SLURM_NNODES"):
+        nodes = int(env["SLURM_NNODES"])
+    return per_node * nodes, per_node, nodes
+
+
+def plan(cli) -> int:
+    """Print the plan of a parsed LitDistCLI (run=False, no trainer); return the exit code."""
+    from lit_dist.data.datamodule import BucketDataModule
+    from lit_dist.module import LitModel, lr_scale_factor
+
+    config = cli.config
+    model, data = cli.model, cli.datamodule
+    trainer = config.trainer
+    world, per_node, nodes = world_size(trainer)
+    accumulate = int(trainer.accumulate_grad_batches or 1)
+    lines = [f"world size          {world} ({per_node} devices x {nodes} nodes)"]
+    problems: list[tuple[ExitCode, str]] = []
+
+    per_device = getattr(data, "batch_size_per_device", None)
+    effective = per_device * world * accumulate if per_device else None
+    if per_device:
+        lines.append(f"batch               {per_device} per device, global {per_device * world}, "
+                     f"effective {effective} (x{accumulate} accumulation)")
+    if isinstance(model, LitModel):
+        import torch
+
+        lr = model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"]
+        if effective is not None:
+            scaled = lr * lr_scale_factor(model.lr_scaling, effective, model.base_batch_size)
+            lines.append(f"learning rate       {lr:.4g} -> {scaled:.4g} ({model.lr_scaling} scaling against base "
+                         f"batch {model.base_batch_size})")
+        elif model.lr_scaling != "none":
+            problems.append((ExitCode.CONFIG_ERROR, f"model.lr_scaling = {model.lr_scaling!r} needs a data module "
+                                                    "with batch_size_per_device"))
+        lines.append(f"warmup              {model.warmup_steps} optimizer steps")
+
+    if isinstance(data, BucketDataModule):
+        problems += _plan_data(data, world, accumulate, trainer, lines)
+    else:
+        lines.append(f"data                {type(data).__name__}: not a BucketDataModule, no bucket plan")
+
+    print("lit-dist plan\n" + "\n".join(f"  {line}" for line in lines))
+    if problems:
+        print("problems:\n" + "\n".join(f"  - {text}" for _, text in problems))
+        return int(min(code for code, _ in problems))
+    print("no problems found")
+    return int(ExitCode.OK)
+
+
+def _plan_data(data, world: int, accumulate: int, trainer, lines: list[str]) -> list[tuple[ExitCode, str]]:
+    from lit_dist.data.sampler import plan_buckets
+
+    if data.create_demo_if_missing and data.metadata and not os.path.exists(data.metadata):
+        lines.append(f"data                the demo dataset ({data.demo_num_images} images) will be generated at "
+                     f"{data.metadata} on first use; no bucket plan before that")
+        return []
+    try:
+        if data.scan_root is not None:
+            data.prepare_data()  # indexes the folder (headers only) or reuses the cached index
+        meta, bucket_ids, splits = data.read()
+    except LitDistError as err:
+        return [(err.exit_code, str(err))]
+    counts = [int((splits == code).sum()) for code in range(3)]
+    lines.append(f"data                {len(meta)} usable rows of {data.table_path}: {counts[0]} train, {counts[1]} val, "
+                 f"{counts[2]} test; {meta.bad.total} bad rows skipped")
+    if meta.bad.total:
+        lines.append(f"bad rows            {meta.bad.summary()}")
+    global_batch = data.batch_size_per_device * world
+    train = bucket_ids[splits == 0]
+    repeats, rows, bucket_problems = plan_buckets(train, data.bucket_sizes, global_batch, data.repeats,
+                                                  data.allow_oversubscription)
+    batches = sum(r["batches_per_rank"] for r in rows)
+    steps = math.ceil(batches / accumulate)
+    total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else steps * (trainer.max_epochs or 1000)
+    lines.append(f"steps per epoch     {steps} optimizer steps ({batches} batches per rank); run: {total} steps")
+    lines.append("buckets (train)     width x height   samples   repeats   batches/rank   left for next epoch")
+    for r in rows:
+        w, h = r["bucket"]
+        lines.append(f"                    {w:>5} x {h:<6}  {r['samples']:>9}   {r['repeats']:>7}   "
+                     f"{r['batches_per_rank']:>12}   {r['left_for_next_epoch']:>19}")
+    problems = [(ExitCode.DATA_ERROR, p) for p in bucket_problems]
+    if batches == 0 and not problems:
+        problems.append((ExitCode.DATA_ERROR, "an epoch would have zero training batches"))
+    return problems
+
+
