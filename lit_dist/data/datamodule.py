@@ -252,9 +252,8 @@ class BucketDataModule(LightningDataModule):
 
     def train_dataloader(self):
         sampler = self.train_sampler(*self.world())
-        if self._resume is not None:
-            sampler.set_epoch(self._resume["epoch"])
-            sampler.start_batch = self._resume["batches_done"]
+        if self._resume:
+            sampler.resume(self._resume["epoch"], self._resume["batches_done"])
             self._resume = None
         return self._loader("train", sampler)
 
@@ -280,7 +279,10 @@ class BucketDataModule(LightningDataModule):
         trainer = self.trainer
         if trainer is None or not trainer.training:
             return {}
-        return {"epoch": trainer.current_epoch, "batches_done": trainer.fit_loop.epoch_loop.batch_progress.current.completed}
+        # `processed`, not `completed`: a checkpoint written in on_train_batch_end runs before Lightning
+        # counts that batch as completed, and that batch must not be trained on twice.
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": trainer.current_epoch, "batches_done": progress.processed}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position without replaying the loader: the sampler skips what was done."""

@@ -60,7 +60,7 @@ class BucketBatchSampler(DistributedSampler):
             times = np.broadcast_to(np.asarray(repeats, dtype=np.int64), counts.shape)[present] if len(counts) else []
             # Repeats tile a bucket's members; each copy is shuffled on its own so a sample's copies spread out.
             self.members = [np.concatenate([m[rng.permutation(len(m))] for _ in range(int(r))]) for m, r in zip(self.members, times, strict=True)]
-        self.start_batch = 0  # batches of the current epoch to skip: set when resuming mid-epoch
+        self._resume_at: tuple[int, int] | None = None  # (epoch, batches done) of a mid-epoch checkpoint
 
     @property
     def global_batch_size(self) -> int:
@@ -75,11 +75,16 @@ class BucketBatchSampler(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def resume(self, epoch: int, batches_done: int) -> None:
+        """Skip the first ``batches_done`` batches the next time ``epoch`` is iterated (and only then)."""
+        self._resume_at = (epoch, batches_done)
+
     def __iter__(self) -> Iterator[tuple[int, list[int], float]]:
         if self.shuffle:
             # Resuming mid-epoch skips the batches already trained on: the plan is recomputed from
             # (seed, epoch), so nothing is decoded or replayed to get back to the position.
-            start, self.start_batch = self.start_batch, 0
+            start = self._resume_at[1] if self._resume_at and self._resume_at[0] == self.epoch else 0
+            self._resume_at = None
             for batch in self._train_batches()[start:]:
                 yield self.epoch, batch.tolist(), 1.0
             return

@@ -63,3 +63,35 @@ def test_evaluation_counts_each_sample_once_with_equal_steps(world):
             if weight:
                 counted.update(indices)
     assert counted == Counter(range(53))
+
+
+def test_repeats_multiply_each_bucket_and_oversubscription_fills_small_buckets():
+    from lit_dist.data.sampler import plan_buckets
+
+    bucket_ids = np.array([0] * 30 + [1] * 5)
+    sizes = np.array([[32, 32], [48, 24]])
+    repeats, rows, problems = plan_buckets(bucket_ids, sizes, global_batch=8, repeats=1)
+    assert problems and "(48, 24): 5 samples" in problems[0] and "data.repeats >= 2" in problems[0]
+    repeats, rows, problems = plan_buckets(bucket_ids, sizes, global_batch=8, repeats=1, allow_oversubscription=True)
+    assert not problems and repeats.tolist() == [1, 2]
+    sampler = BucketBatchSampler(bucket_ids, 4, 2, 0, repeats=repeats)
+    assert len(sampler) == 30 // 8 + 10 // 8
+    doubled = BucketBatchSampler(bucket_ids, 4, 1, 0, repeats=2)
+    seen = Counter(i for _e, batch, _w in doubled for i in batch)
+    assert len(doubled) == 60 // 4 + 10 // 4 and max(seen.values()) == 2
+
+
+def test_resuming_mid_epoch_yields_exactly_the_rest_of_the_epoch():
+    bucket_ids = np.random.default_rng(3).integers(0, 5, size=400)
+    full = BucketBatchSampler(bucket_ids, 4, 2, 1, seed=7)
+    full.set_epoch(2)
+    everything = list(full)
+    resumed = BucketBatchSampler(bucket_ids, 4, 2, 1, seed=7)
+    resumed.resume(epoch=2, batches_done=5)
+    resumed.set_epoch(2)
+    assert list(resumed) == everything[5:]
+    assert list(resumed) == everything, "the skip applies once"
+    finished = BucketBatchSampler(bucket_ids, 4, 2, 1, seed=7)
+    finished.resume(epoch=2, batches_done=len(everything))
+    finished.set_epoch(3)  # Lightning moves on to the next epoch after an end-of-epoch checkpoint
+    assert len(list(finished)) == len(everything)

@@ -1,0 +1,36 @@
+from types import SimpleNamespace
+
+from lit_dist.errors import ExitCode
+from lit_dist.plan import world_size
+from tests.conftest import CONFIGS, lit_dist
+
+
+def plan(*args, demo_data):
+    return lit_dist("plan", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data), *args)
+
+
+def test_plan_prints_batches_lr_steps_and_buckets(demo_data):
+    out = plan("--trainer.devices", "2", "--data.batch_size_per_device", "4", demo_data=demo_data)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "world size          2 (2 devices x 1 nodes)" in out.stdout
+    assert "global 8, effective 8" in out.stdout
+    assert "0.003 -> 0.0015 (sqrt scaling against base batch 32)" in out.stdout
+    assert "buckets (train)" in out.stdout and "no problems found" in out.stdout
+
+
+def test_plan_fails_before_anything_starts_when_buckets_are_too_small(demo_data):
+    out = plan("--trainer.devices", "8", "--trainer.num_nodes", "4", demo_data=demo_data)
+    assert out.returncode == ExitCode.DATA_ERROR
+    assert "fewer than one global batch of 1024" in out.stdout and "data.repeats >=" in out.stdout
+    out = plan("--trainer.devices", "8", "--trainer.num_nodes", "4", "--data.allow_oversubscription", "true",
+               demo_data=demo_data)
+    assert out.returncode == 0, out.stdout
+    assert "no problems found" in out.stdout
+
+
+def test_world_size_follows_the_config_then_slurm():
+    trainer = SimpleNamespace(devices=4, num_nodes=2, accelerator="auto")
+    assert world_size(trainer, {}) == (8, 4, 2)
+    auto = SimpleNamespace(devices="auto", num_nodes=1, accelerator="auto")
+    assert world_size(auto, {"SLURM_NTASKS_PER_NODE": "8", "SLURM_NNODES": "3"}) == (24, 8, 3)
+    assert world_size(SimpleNamespace(devices=[0, 1], num_nodes=1, accelerator="gpu"), {}) == (2, 2, 1)
