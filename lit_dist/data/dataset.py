@@ -35,10 +35,10 @@ class BucketImageDataset(torch.utils.data.Dataset):
         storage_options: dict | None = None,
         max_image_pixels: int | None = 178_956_970,
     ):
-        import fsspec
-
-        self.fs, self.root = fsspec.core.url_to_fs(root, **(storage_options or {}))
-        self.root = self.root.rstrip("/")
+        self.url = root
+        self.storage_options = storage_options or {}
+        self._fs, self._fs_pid, self.root = None, None, None
+        self._open_fs()
         self.filenames = filenames  # pyarrow string array: one shared buffer, no per-row Python objects
         self.extra = extra or {}  # name -> pyarrow array passed through to batches
         self.max_image_pixels = max_image_pixels
@@ -52,6 +52,21 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.filenames)
+
+    def _open_fs(self):
+        """The filesystem, made anew in each process: an s3fs client carried into a forked loader
+        worker still points at the parent's event loop and never answers."""
+        import os
+
+        import fsspec
+
+        if self._fs_pid != os.getpid():
+            self._fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            self.root, self._fs_pid = root.rstrip("/"), os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fs": None, "_fs_pid": None}
 
     def __getitem__(self, request: tuple[int, list[int], float]) -> dict[str, torch.Tensor]:
         epoch, indices, weight = request
@@ -107,7 +122,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
     def _decode_file(self, index: int, width: int, height: int, epoch: int) -> np.ndarray:
         from PIL import Image, ImageOps
 
-        with self.fs.open(self._path(index), "rb") as f:
+        with self._open_fs().open(self._path(index), "rb") as f:
             img = Image.open(f)
             img.draft("RGB", (width, height))  # JPEG: decode at a reduced scale when that still covers the bucket
             img = ImageOps.exif_transpose(img).convert("RGB")

@@ -1,0 +1,57 @@
+"""The same data through S3 as through the local disk: tables, discovery, batches, a training run."""
+
+import pytest
+import torch
+
+from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.data.discovery import scan_folder
+from lit_dist.data.metadata import read_metadata
+from tests.conftest import CONFIGS, lit_dist
+
+pytestmark = pytest.mark.s3
+
+
+@pytest.fixture
+def remote_demo(s3, demo_data):
+    s3.put(str(demo_data.parent), f"{s3.bucket}/shapes", recursive=True)
+    return f"s3://{s3.bucket}/shapes", {"client_kwargs": {"endpoint_url": s3.endpoint}}
+
+
+def test_table_and_batches_from_s3_equal_the_local_ones(remote_demo, demo_data):
+    url, options = remote_demo
+    local = read_metadata(str(demo_data))
+    remote = read_metadata(f"{url}/metadata.parquet", options)
+    assert remote.filenames.equals(local.filenames) and (remote.widths == local.widths).all()
+    batches = []
+    for metadata, opts in ((str(demo_data), None), (f"{url}/metadata.parquet", options)):
+        dm = BucketDataModule(metadata, resolution=32, batch_size_per_device=4, num_workers=0, storage_options=opts)
+        dm.setup("fit")
+        batches.append(next(iter(dm.train_dataloader())))
+    assert torch.equal(batches[0]["image"], batches[1]["image"]) and torch.equal(batches[0]["label"], batches[1]["label"])
+
+
+def test_a_folder_of_tables_on_s3(s3, remote_demo, demo_data):
+    url, options = remote_demo
+    s3.put(str(demo_data), f"{s3.bucket}/meta/part-0.parquet")
+    meta = read_metadata(f"s3://{s3.bucket}/meta/", options)
+    assert len(meta) == 400
+
+
+def test_discovery_on_s3_matches_the_local_scan(remote_demo, demo_data):
+    url, options = remote_demo
+    local = scan_folder(str(demo_data.parent), labels_from_folders=True, progress=False)
+    remote = scan_folder(url, options, labels_from_folders=True, progress=False)
+    for column in ("filename", "width", "height", "label"):
+        assert remote.column(column).equals(local.column(column)), column
+
+
+def test_fit_reads_its_data_from_s3(remote_demo, tmp_path):
+    url, options = remote_demo
+    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", f"{url}/metadata.parquet",
+                   "--data.create_demo_if_missing", "false", "--data.storage_options",
+                   '{"client_kwargs": {"endpoint_url": "%s"}}' % options["client_kwargs"]["endpoint_url"],
+                   "--data.batch_size_per_device", "8", "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
+                   "--run.root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+                   env={"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "val/acc" in out.stdout
