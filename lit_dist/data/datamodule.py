@@ -53,6 +53,7 @@ class BucketDataModule(LightningDataModule):
         mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
         std: tuple[float, float, float] = (0.5, 0.5, 0.5),
         max_image_pixels: int = 178_956_970,
+        max_bad_fraction: float = 0.01,
         storage_options: dict | None = None,
         create_demo_if_missing: bool = False,
         demo_num_images: int = 3000,
@@ -81,6 +82,7 @@ class BucketDataModule(LightningDataModule):
             mean: Per-channel mean subtracted after scaling pixels to [0, 1].
             std: Per-channel standard deviation divided by after subtracting the mean.
             max_image_pixels: Images with more pixels are refused as decompression bombs (Pillow's guard).
+            max_bad_fraction: Stop training when more than this share of the images read could not be decoded.
             storage_options: fsspec options for remote data (e.g. endpoint_url); credentials come from env vars.
             create_demo_if_missing: Generate the demo shapes dataset at metadata if it does not exist.
             demo_num_images: Number of images the demo dataset gets when generated.
@@ -123,6 +125,9 @@ class BucketDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.max_image_pixels = max_image_pixels
+        from lit_dist.callbacks.data_health import BadSampleMonitor
+
+        self.monitor = BadSampleMonitor(max_bad_fraction)
         self.storage_options = storage_options
         self.create_demo_if_missing = create_demo_if_missing
         self.demo_num_images = demo_num_images
@@ -175,6 +180,10 @@ class BucketDataModule(LightningDataModule):
         return meta, assign_buckets(meta.widths, meta.heights, self.bucket_sizes), splits
 
     def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        if trainer is not None and self.monitor not in trainer.callbacks:
+            # The monitor's counts come from this module's batches, so the module brings it along.
+            trainer.callbacks.append(self.monitor)
         if self._splits:
             return
         meta, bucket_ids, splits = self.read()
@@ -268,6 +277,7 @@ class BucketDataModule(LightningDataModule):
         return self._eval_loader("predict", distributed=False)
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        self.monitor.count(batch)
         image = batch["image"].float()  # (B, C, H, W), 0..255
         batch["image"] = (image - self.mean.to(image.device)) / self.std.to(image.device)
         return batch

@@ -49,6 +49,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         self.random_crop = random_crop
         self.seed = seed
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
+        self._logged: set[int] = set()  # bad samples already reported by this process
 
     def __len__(self) -> int:
         return len(self.filenames)
@@ -73,12 +74,15 @@ class BucketImageDataset(torch.utils.data.Dataset):
         width, height = self.bucket_sizes[self.bucket_ids[indices[0]]]
         images = np.empty((len(indices), height, width, 3), dtype=np.uint8)  # (B, H, W, C)
         used = np.empty(len(indices), dtype=np.int64)
+        failures = 0
         for slot, index in enumerate(indices):
-            used[slot] = self._load_into(images[slot], index, epoch)
+            used[slot], failed = self._load_into(images[slot], index, epoch)
+            failures += failed
         batch = {
             "image": torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),  # (B, C, H, W) uint8
             "row": torch.from_numpy(self.rows[used]),
             "weight": torch.full((len(indices),), weight, dtype=torch.float32),
+            "bad_samples": torch.tensor(failures),  # images of this batch that were replaced
         }
         if self.labels is not None:
             batch["label"] = torch.from_numpy(self.labels[used])
@@ -86,15 +90,21 @@ class BucketImageDataset(torch.utils.data.Dataset):
             batch[name] = _column_batch(column.take(used))
         return batch
 
-    def _load_into(self, out: np.ndarray, index: int, epoch: int) -> int:
-        """Decode ``index`` into ``out``; a bad image is replaced by the next sample of its bucket."""
+    def _load_into(self, out: np.ndarray, index: int, epoch: int) -> tuple[int, int]:
+        """Decode ``index`` into ``out``, a bad image replaced by the next sample of its bucket.
+
+        Returns the sample used and how many failed before it.
+        """
         candidate = index
-        for _attempt in range(8):
+        for attempt in range(8):
             try:
                 out[...] = self._decode(candidate, out.shape[1], out.shape[0], epoch)
-                return candidate
-            except Exception as exc:  # any decode failure: missing file, truncated data, not an image
-                log.warning("lit-dist: cannot read %s (%s); using another image of the same bucket", self._path(candidate), exc)
+                return candidate, attempt
+            except Exception as exc:  # any decode failure: missing file, truncated data, not an image, a bomb
+                if candidate not in self._logged:
+                    self._logged.add(candidate)
+                    log.warning("lit-dist: cannot read %s (%s); using another image of the same bucket",
+                                self._path(candidate), exc)
                 candidate = self._next_in_bucket(candidate)
         raise RuntimeError(f"8 images in a row of bucket {tuple(out.shape[1::-1])} could not be read; last: {self._path(candidate)}")
 

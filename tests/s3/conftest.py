@@ -30,7 +30,7 @@ def s3_endpoint():
         except requests.ConnectionError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError("the moto S3 server did not start (is moto[server] installed? bash .ci/setup)")
+                raise RuntimeError("the moto S3 server did not start (is moto[server] installed? bash .ci/setup)") from None
             time.sleep(0.1)
     yield url
     proc.terminate()

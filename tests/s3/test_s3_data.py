@@ -1,5 +1,7 @@
 """The same data through S3 as through the local disk: tables, discovery, batches, a training run."""
 
+import json
+
 import pytest
 import torch
 
@@ -49,7 +51,7 @@ def test_fit_reads_its_data_from_s3(remote_demo, tmp_path):
     url, options = remote_demo
     out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", f"{url}/metadata.parquet",
                    "--data.create_demo_if_missing", "false", "--data.storage_options",
-                   '{"client_kwargs": {"endpoint_url": "%s"}}' % options["client_kwargs"]["endpoint_url"],
+                   json.dumps(options),
                    "--data.batch_size_per_device", "8", "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
                    "--run.root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
                    env={"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})

@@ -1,0 +1,1 @@
+"""Callbacks. Their YAML stacks live in the top-level ``callbacks/`` folder."""

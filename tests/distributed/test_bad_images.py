@@ -1,0 +1,42 @@
+"""Unreadable images across two ranks: replaced while rare, and a run drowning in them stops on both ranks."""
+
+import shutil
+
+import pytest
+
+from lit_dist.errors import ExitCode
+from tests.conftest import CONFIGS, lit_dist
+
+pytestmark = pytest.mark.distributed
+
+
+def corrupted_copy(demo_data, tmp_path, every_nth):
+    root = tmp_path / "shapes"
+    shutil.copytree(demo_data.parent, root)
+    images = sorted(root.rglob("*.png"))
+    for path in images[::every_nth]:
+        path.write_bytes(b"this is not a png")
+    return root / "metadata.parquet", len(images[::every_nth])
+
+
+def fit(metadata, tmp_path, *extra):
+    return lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(metadata),
+                    "--data.batch_size_per_device", "8", "--data.num_workers", "0", "--trainer.devices", "2",
+                    "--trainer.strategy", "ddp", "--run.root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+                    *extra, timeout=240)
+
+
+def test_many_bad_images_stop_both_ranks_with_the_data_error_code(demo_data, tmp_path):
+    metadata, _ = corrupted_copy(demo_data, tmp_path, every_nth=2)  # half the images are garbage
+    out = fit(metadata, tmp_path, "--trainer.max_epochs", "20")
+    assert out.returncode == ExitCode.DATA_ERROR, out.stderr[-3000:]
+    assert "could not be read, more than data.max_bad_fraction = 0.01" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_few_bad_images_are_replaced_counted_and_logged_once(demo_data, tmp_path):
+    metadata, corrupted = corrupted_copy(demo_data, tmp_path, every_nth=80)
+    out = fit(metadata, tmp_path, "--trainer.max_epochs", "2", "--data.max_bad_fraction", "0.5")
+    assert out.returncode == 0, out.stderr[-3000:]
+    warned = [line for line in out.stderr.splitlines() if "cannot read" in line]
+    assert warned and len(warned) == len(set(warned)), "each bad file is reported once per process"
