@@ -39,8 +39,9 @@ def make_buckets(resolution: int, alignment: int, max_aspect: float) -> np.ndarr
 
 def assign_buckets(widths: np.ndarray, heights: np.ndarray, buckets: np.ndarray) -> np.ndarray:
     """Index of the bucket whose aspect ratio is nearest (in log space) to each image's. Vectorised."""
-    image_log_aspect = np.log(np.asarray(widths, dtype=np.float64) / np.asarray(heights, dtype=np.float64))
-    bucket_log_aspect = np.log(buckets[:, 0] / buckets[:, 1])  # ascending: buckets are sorted by aspect
+    # float32 is ample for choosing between buckets and halves the memory traffic at 10 M rows.
+    image_log_aspect = np.log(np.asarray(widths, dtype=np.float32) / np.asarray(heights, dtype=np.float32))
+    bucket_log_aspect = np.log(buckets[:, 0] / buckets[:, 1]).astype(np.float32)  # ascending: buckets are sorted by aspect
     right = np.searchsorted(bucket_log_aspect, image_log_aspect).clip(1, len(buckets) - 1)
     left = right - 1
     if len(buckets) == 1:

@@ -24,7 +24,7 @@ def create_shapes_dataset(metadata_path: str, num_images: int = 3000, seed: int 
     """Write ``num_images`` PNGs next to ``metadata_path`` and the parquet table at it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     root = os.path.dirname(os.path.abspath(metadata_path))
     parent = os.path.dirname(root)

@@ -52,8 +52,10 @@ class BucketBatchSampler(DistributedSampler):
         self.bucket_ids = np.asarray(bucket_ids, dtype=np.int64)
         # Members of each bucket in a fixed order from the seed; epochs roll and shuffle this.
         rng = np.random.default_rng(seed)
-        order = np.argsort(self.bucket_ids, kind="stable")
         counts = np.bincount(self.bucket_ids) if len(self.bucket_ids) else np.zeros(0, dtype=np.int64)
+        # A stable sort of 16-bit keys is a radix sort in numpy: O(n), several times faster at 10 M rows.
+        keys = self.bucket_ids.astype(np.int16) if len(counts) < 2**15 else self.bucket_ids
+        order = np.argsort(keys, kind="stable")
         self.members = [m for m in np.split(order, np.cumsum(counts)[:-1]) if len(m)]
         if shuffle:
             present = np.flatnonzero(counts)
