@@ -278,7 +278,7 @@ class BucketDataModule(LightningDataModule):
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         self.monitor.count(batch)
-        image = batch["image"].float()  # (B, C, H, W), 0..255
+        image = batch["image"].permute(0, 3, 1, 2).float()  # (B, H, W, C) uint8 -> (B, C, H, W) float, 0..255
         batch["image"] = (image - self.mean.to(image.device)) / self.std.to(image.device)
         return batch
 

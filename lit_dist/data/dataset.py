@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 class BucketImageDataset(torch.utils.data.Dataset):
     """Images resized to cover their bucket and cropped to it, as uint8 tensors.
 
-    A batch is a dict: ``image`` (B, 3, H, W) uint8, ``label`` (B,) int64 when the
+    A batch is a dict: ``image`` (B, H, W, 3) uint8 (the data module makes it (B, 3, H, W) float on the device), ``label`` (B,) int64 when the
     table has labels, ``row`` (B,) int64, the metadata table row of each sample, and ``weight``
     (B,) float32: 0 for padding that evaluation metrics must not count.
     """
@@ -79,7 +79,9 @@ class BucketImageDataset(torch.utils.data.Dataset):
             used[slot], failed = self._load_into(images[slot], index, epoch)
             failures += failed
         batch = {
-            "image": torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),  # (B, C, H, W) uint8
+            # Channels last, as decoded: the permute to (B, C, H, W) is a free view on the device
+            # instead of a copy in the worker.
+            "image": torch.from_numpy(images),  # (B, H, W, C) uint8
             "row": torch.from_numpy(self.rows[used]),
             "weight": torch.full((len(indices),), weight, dtype=torch.float32),
             "bad_samples": torch.tensor(failures),  # images of this batch that were replaced

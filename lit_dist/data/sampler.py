@@ -59,7 +59,8 @@ class BucketBatchSampler(DistributedSampler):
         self.members = [m for m in np.split(order, np.cumsum(counts)[:-1]) if len(m)]
         if shuffle:
             present = np.flatnonzero(counts)
-            times = np.broadcast_to(np.asarray(repeats, dtype=np.int64), counts.shape)[present] if len(counts) else []
+            per_bucket = np.asarray(repeats, dtype=np.int64)  # a scalar, or one entry per bucket id
+            times = per_bucket[present] if per_bucket.ndim else np.full(len(present), int(per_bucket))
             # Repeats tile a bucket's members; each copy is shuffled on its own so a sample's copies spread out.
             self.members = [np.concatenate([m[rng.permutation(len(m))] for _ in range(int(r))]) for m, r in zip(self.members, times, strict=True)]
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches done) of a mid-epoch checkpoint

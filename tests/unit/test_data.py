@@ -44,11 +44,12 @@ def test_batches_are_uint8_bucket_sized_and_crops_repeat_per_seed_epoch_index(de
     request = next(iter(loader.sampler))
     first, again = loader.dataset[request], loader.dataset[request]
     width, height = dm.bucket_sizes[loader.dataset.bucket_ids[request[1][0]]]
-    assert first["image"].dtype == torch.uint8 and first["image"].shape == (8, 3, height, width)
+    assert first["image"].dtype == torch.uint8 and first["image"].shape == (8, height, width, 3)
     assert torch.equal(first["image"], again["image"])
     later = loader.dataset[(request[0] + 1, request[1], 1.0)]
     assert not torch.equal(first["image"], later["image"]), "random crops should change with the epoch"
     normalised = dm.on_after_batch_transfer(dict(first), 0)["image"]
+    assert normalised.shape == (8, 3, height, width)
     assert normalised.dtype == torch.float32 and -1.01 <= normalised.min() and normalised.max() <= 1.01
 
 
@@ -63,7 +64,8 @@ def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_pat
         batch = dataset[(0, [0, 1], 1.0)]
     finally:
         broken.write_bytes(original)
-    assert batch["image"].shape == (2, 3, 32, 32)
+    assert batch["image"].shape == (2, 32, 32, 3)
+    assert batch["bad_samples"] == 1
     assert batch["row"].tolist() == [1, 1], "the bad sample is replaced by the next one of the same bucket"
 
 

@@ -95,3 +95,14 @@ def test_resuming_mid_epoch_yields_exactly_the_rest_of_the_epoch():
     finished.resume(epoch=2, batches_done=len(everything))
     finished.set_epoch(3)  # Lightning moves on to the next epoch after an end-of-epoch checkpoint
     assert len(list(finished)) == len(everything)
+
+
+def test_per_bucket_repeats_work_when_some_buckets_are_empty():
+    from lit_dist.data.sampler import plan_buckets
+
+    sizes = np.array([[16, 64], [24, 40], [32, 32], [40, 24], [64, 16]])
+    bucket_ids = np.array([2] * 20 + [3] * 3)  # buckets 0, 1 and 4 hold nothing
+    repeats, _, problems = plan_buckets(bucket_ids, sizes, global_batch=4, allow_oversubscription=True)
+    assert not problems and repeats[3] == 2
+    sampler = BucketBatchSampler(bucket_ids, 4, 1, 0, repeats=repeats)
+    assert len(list(sampler)) == len(sampler) == 5 + 1
