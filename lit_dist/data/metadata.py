@@ -13,6 +13,7 @@ a numpy array of Python strings.
 """
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,10 +54,10 @@ class BadRows:
 class Metadata:
     """The usable rows of a table, as columns."""
 
-    filenames: "pa.Array"  # noqa: F821 - pyarrow string array
+    filenames: "pa.ChunkedArray"  # noqa: F821 - pyarrow strings, one buffer per chunk
     widths: np.ndarray  # int32
     heights: np.ndarray  # int32
-    rows: np.ndarray  # int64 row number of each entry in the (concatenated) table
+    rows: np.ndarray  # int32 (int64 past 2**31 rows) row number of each entry in the (concatenated) table
     labels: np.ndarray | None = None  # int64 class indices
     classes: list[str] | None = None  # names of the classes when labels were strings
     splits: np.ndarray | None = None  # int8 index into SPLITS
@@ -133,15 +134,55 @@ def read_metadata(
 def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: bool = False) -> Metadata:
     """Drop and count bad rows; convert the columns a run needs."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
-    filenames = table.column("filename").combine_chunks()
+    # Chunked as read (one chunk per row group): combining 10 M strings would copy them all.
+    filenames = table.column("filename")
     if not pa.types.is_string(filenames.type) and not pa.types.is_large_string(filenames.type):
         raise DataError(f"{source}: column filename has type {filenames.type}; it must hold strings")
-    widths = _as_float(table.column("width"), "width", source)
-    heights = _as_float(table.column("height"), "height", source)
+    widths = _as_number(table.column("width"), "width", source)
+    heights = _as_number(table.column("height"), "height", source)
+    # The duplicate check (a sort of all names, which releases the GIL) runs beside the others.
+    with ThreadPoolExecutor(1) as pool:
+        duplicates = pool.submit(_duplicates, filenames)
+        bad, report = _path_and_size_checks(filenames, widths, heights)
+        duplicate = duplicates.result() & ~bad
 
-    bad = np.zeros(len(table), dtype=bool)
+    _note(report, "duplicate filename (first kept)", duplicate, filenames)
+    bad |= duplicate
+    if strict and report.total:
+        raise DataError(f"{source}: {report.total} bad rows and data.strict is true: {report.summary()}")
+    if bad.all():
+        raise DataError(f"{source}: none of its {len(bad)} rows is usable: {report.summary() or 'the table is empty'}")
+
+    index_type = np.int32 if len(bad) < 2**31 else np.int64
+    if bad.any():
+        keep = np.flatnonzero(~bad).astype(index_type)
+        kept = table.take(pa.array(keep))
+        widths, heights = widths.take(pa.array(keep)), heights.take(pa.array(keep))
+    else:  # the usual case: no copies
+        keep, kept = np.arange(len(bad), dtype=index_type), table
+    meta = Metadata(
+        filenames=kept.column("filename"),
+        widths=widths.to_numpy(zero_copy_only=False).astype(np.int32),
+        heights=heights.to_numpy(zero_copy_only=False).astype(np.int32),
+        rows=keep,
+        bad=report,
+        source=source,
+    )
+    if "label" in kept.column_names:
+        meta.labels, meta.classes = _labels(kept.column("label").combine_chunks(), source)
+    if "split" in kept.column_names:
+        meta.splits = _splits(kept.column("split").combine_chunks(), source)
+    meta.extra = {name: kept.column(name).combine_chunks() for name in extra_columns}
+    return meta
+
+
+def _path_and_size_checks(filenames, widths, heights) -> tuple[np.ndarray, BadRows]:
+    """Rows with a missing or unsafe filename or an unusable size, by reason."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    bad = np.zeros(len(filenames), dtype=bool)
     report = BadRows()
     missing = pc.fill_null(pc.equal(pc.binary_length(filenames), 0), True).to_numpy(zero_copy_only=False)
     _note(report, "missing filename", missing, filenames)
@@ -172,39 +213,15 @@ def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: 
     sizes = sizes.to_numpy(zero_copy_only=False) & ~bad
     _note(report, "missing or non-positive width/height", sizes, filenames)
     bad |= sizes
-    duplicate = _duplicates(filenames) & ~bad
-    _note(report, "duplicate filename (first kept)", duplicate, filenames)
-    bad |= duplicate
-    if strict and report.total:
-        raise DataError(f"{source}: {report.total} bad rows and data.strict is true: {report.summary()}")
-    if bad.all():
-        raise DataError(f"{source}: none of its {len(bad)} rows is usable: {report.summary() or 'the table is empty'}")
-
-    keep = np.flatnonzero(~bad)
-    kept = table.take(pa.array(keep)) if bad.any() else table
-    meta = Metadata(
-        filenames=kept.column("filename").combine_chunks(),
-        widths=widths.to_numpy(zero_copy_only=False)[keep].astype(np.int32),
-        heights=heights.to_numpy(zero_copy_only=False)[keep].astype(np.int32),
-        rows=keep.astype(np.int64),
-        bad=report,
-        source=source,
-    )
-    if "label" in kept.column_names:
-        meta.labels, meta.classes = _labels(kept.column("label").combine_chunks(), source)
-    if "split" in kept.column_names:
-        meta.splits = _splits(kept.column("split").combine_chunks(), source)
-    meta.extra = {name: kept.column(name).combine_chunks() for name in extra_columns}
-    return meta
+    return bad, report
 
 
-def _as_float(column, name: str, source: str):
+def _as_number(column, name: str, source: str):
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
         raise DataError(f"{source}: column {name} has type {column.type}; it must hold numbers (pixels)")
-    return pc.cast(column.combine_chunks(), pa.float64())
+    return column
 
 
 def _note(report: BadRows, reason: str, mask: np.ndarray, filenames) -> None:
@@ -263,6 +280,24 @@ def _splits(column, source: str) -> np.ndarray:
     return index.astype(np.int8)
 
 
+def _hash_unit(chunk) -> np.ndarray:
+    """A number in [0, 1) per string of a pyarrow string array, from its bytes alone."""
+    import pyarrow as pa
+
+    width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
+    offsets = np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1].astype(np.int64)
+    data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].astype(np.uint64)
+    starts = offsets[:-1] - offsets[0]
+    position = np.arange(len(data), dtype=np.uint64) - np.repeat(starts, np.diff(offsets)).astype(np.uint64)
+    # Position-dependent per-byte mix, summed per string, then the splitmix64 finaliser.
+    mixed = ((data + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)) ^ ((position + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9))
+    h = np.add.reduceat(mixed, starts)
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(0x94D049BB133111EB)
+    h ^= h >> np.uint64(29)
+    return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
 def hash_split(filenames, val_fraction: float, chunk_rows: int = 1 << 20) -> np.ndarray:
     """0 (train) or 1 (val) from a hash of each filename's bytes: the same on every rank and every run.
 
@@ -272,19 +307,12 @@ def hash_split(filenames, val_fraction: float, chunk_rows: int = 1 << 20) -> np.
     """
     import pyarrow as pa
 
+    pieces = filenames.chunks if isinstance(filenames, pa.ChunkedArray) else [filenames]
     out = np.empty(len(filenames), dtype=np.int8)
-    for lo in range(0, len(filenames), chunk_rows):
-        chunk = filenames.slice(lo, chunk_rows)
-        width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1].astype(np.int64)
-        data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].astype(np.uint64)
-        starts = offsets[:-1] - offsets[0]
-        position = np.arange(len(data), dtype=np.uint64) - np.repeat(starts, np.diff(offsets)).astype(np.uint64)
-        # Position-dependent per-byte mix, summed per string, then the splitmix64 finaliser.
-        mixed = ((data + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)) ^ ((position + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9))
-        h = np.add.reduceat(mixed, starts)
-        h ^= h >> np.uint64(31)
-        h *= np.uint64(0x94D049BB133111EB)
-        h ^= h >> np.uint64(29)
-        out[lo : lo + len(chunk)] = (h >> np.uint64(11)).astype(np.float64) / float(1 << 53) < val_fraction
+    done = 0
+    for piece in pieces:
+        for lo in range(0, len(piece), chunk_rows):
+            chunk = piece.slice(lo, chunk_rows)
+            out[done : done + len(chunk)] = _hash_unit(chunk) < val_fraction
+            done += len(chunk)
     return out

@@ -49,13 +49,13 @@ class BucketBatchSampler(DistributedSampler):
         self.shuffle = shuffle
         self.epoch = 0
         self.batch_size_per_device = batch_size_per_device
-        self.bucket_ids = np.asarray(bucket_ids, dtype=np.int64)
+        self.bucket_ids = np.asarray(bucket_ids)  # any integer dtype; int16 from assign_buckets
         # Members of each bucket in a fixed order from the seed; epochs roll and shuffle this.
         rng = np.random.default_rng(seed)
         counts = np.bincount(self.bucket_ids) if len(self.bucket_ids) else np.zeros(0, dtype=np.int64)
         # A stable sort of 16-bit keys is a radix sort in numpy: O(n), several times faster at 10 M rows.
-        keys = self.bucket_ids.astype(np.int16) if len(counts) < 2**15 else self.bucket_ids
-        order = np.argsort(keys, kind="stable")
+        keys = self.bucket_ids.astype(np.int16, copy=False) if len(counts) < 2**15 else self.bucket_ids
+        order = np.argsort(keys, kind="stable").astype(np.int32 if len(keys) < 2**31 else np.int64)
         self.members = [m for m in np.split(order, np.cumsum(counts)[:-1]) if len(m)]
         if shuffle:
             present = np.flatnonzero(counts)
@@ -101,20 +101,25 @@ class BucketBatchSampler(DistributedSampler):
             yield self.epoch, filler.tolist(), 0.0
 
     def _train_batches(self) -> np.ndarray:
-        """This rank's batches for the current epoch, shape (num_batches, batch_size_per_device)."""
-        g = self.global_batch_size
+        """This rank's batches for the current epoch, shape (num_batches, batch_size_per_device).
+
+        Only this rank's columns of each bucket's global batches are gathered: the one
+        O(n) step per epoch is the in-place shuffle of each bucket's members.
+        """
+        g, b = self.global_batch_size, self.batch_size_per_device
         rng = np.random.default_rng([self.seed, self.epoch])
-        global_batches = []
+        mine = []
         for members in self.members:
             n = len(members)
             leftover = n % g
-            kept = np.roll(members, -(self.epoch * leftover) % n)[: n - leftover]
-            global_batches.append(kept[rng.permutation(len(kept))].reshape(-1, g))
-        if not global_batches:
-            return np.zeros((0, self.batch_size_per_device), dtype=np.int64)
-        stacked = np.concatenate(global_batches)  # (num_global_batches, g)
-        stacked = stacked[rng.permutation(len(stacked))]
-        return stacked[:, self.rank * self.batch_size_per_device : (self.rank + 1) * self.batch_size_per_device]
+            start = (self.epoch * leftover) % n  # the samples left over rotate from epoch to epoch
+            kept = np.concatenate((members[start:], members[:start]))[: n - leftover]  # a fresh copy
+            rng.shuffle(kept)  # in place; the same draws as kept[rng.permutation(len(kept))]
+            mine.append(kept.reshape(-1, g)[:, self.rank * b : (self.rank + 1) * b])  # (global batches, b) view
+        if not mine:
+            return np.zeros((0, b), dtype=np.int64)
+        stacked = np.concatenate(mine)  # (num_global_batches, b): n / world_size entries
+        return stacked[rng.permutation(len(stacked))]
 
 
 def plan_buckets(bucket_ids: np.ndarray, bucket_sizes: np.ndarray, global_batch: int, repeats: int = 1,
