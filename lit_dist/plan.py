@@ -83,39 +83,41 @@ def plan(cli) -> int:
 
 
 def _plan_data(data, world: int, accumulate: int, trainer, lines: list[str]) -> list[tuple[ExitCode, str]]:
-    from lit_dist.data.sampler import plan_buckets
+    import numpy as np
 
     if data.create_demo_if_missing and data.metadata and not os.path.exists(data.metadata):
         lines.append(f"data                the demo dataset ({data.demo_num_images} images) will be generated at "
                      f"{data.metadata} on first use; no bucket plan before that")
         return []
     try:
-        if data.scan_root is not None:
-            data.prepare_data()  # indexes the folder (headers only) or reuses the cached index
-        meta, bucket_ids, splits = data.read()
+        data.prepare_data()  # indexes scanned folders (headers only) or reuses their cached index
+        parts = data.read()
     except LitDistError as err:
         return [(err.exit_code, str(err))]
-    counts = [int((splits == code).sum()) for code in range(3)]
-    lines.append(f"data                {len(meta)} usable rows of {data.table_path}: {counts[0]} train, {counts[1]} val, "
-                 f"{counts[2]} test; {meta.bad.total} bad rows skipped")
-    if meta.bad.total:
-        lines.append(f"bad rows            {meta.bad.summary()}")
-    global_batch = data.batch_size_per_device * world
-    train = bucket_ids[splits == 0]
-    repeats, rows, bucket_problems = plan_buckets(train, data.bucket_sizes, global_batch, data.repeats,
-                                                  data.allow_oversubscription)
+    k = len(data.bucket_sizes)
+    for i, (source, (meta, _, splits)) in enumerate(zip(data.sources, parts, strict=True)):
+        counts = [int((splits == code).sum()) for code in range(3)]
+        name = f"dataset {i} " if len(parts) > 1 else "data        "
+        weight = f", weight {source.weight:g}" if len(parts) > 1 else ""
+        lines.append(f"{name}        {len(meta)} usable rows of {source.table_path}: {counts[0]} train, {counts[1]} val, "
+                     f"{counts[2]} test; {meta.bad.total} bad rows skipped{weight}")
+        if meta.bad.total:
+            lines.append(f"bad rows            {meta.bad.summary()}")
+    train_groups = np.concatenate([buckets[splits == 0].astype(np.int64) + i * k
+                                   for i, (_, buckets, splits) in enumerate(parts)])
+    _, _, rows, bucket_problems = data.plan_train(train_groups, world)
     batches = sum(r["batches_per_rank"] for r in rows)
     steps = math.ceil(batches / accumulate)
     total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else steps * (trainer.max_epochs or 1000)
     lines.append(f"steps per epoch     {steps} optimizer steps ({batches} batches per rank); run: {total} steps")
-    lines.append("buckets (train)     width x height   samples   repeats   batches/rank   left for next epoch")
+    lines.append("buckets (train)     " + ("dataset  " if len(parts) > 1 else "")
+                 + "width x height   samples   repeats   batches/rank   left for next epoch")
     for r in rows:
         w, h = r["bucket"]
-        lines.append(f"                    {w:>5} x {h:<6}  {r['samples']:>9}   {r['repeats']:>7}   "
+        dataset = f"{r['dataset']:>7}  " if len(parts) > 1 else ""
+        lines.append(f"                    {dataset}{w:>5} x {h:<6}  {r['samples']:>9}   {r['repeats']:>7}   "
                      f"{r['batches_per_rank']:>12}   {r['left_for_next_epoch']:>19}")
     problems = [(ExitCode.DATA_ERROR, p) for p in bucket_problems]
     if batches == 0 and not problems:
         problems.append((ExitCode.DATA_ERROR, "an epoch would have zero training batches"))
     return problems
-
-

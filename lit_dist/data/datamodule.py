@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_dist.data.sources import DatasetSource
 from lit_dist.errors import ConfigError, DataError
 
 
@@ -35,6 +36,7 @@ class BucketDataModule(LightningDataModule):
         metadata: str | None = None,
         scan_root: str | None = None,
         root: str | None = None,
+        datasets: list[DatasetSource] | None = None,
         batch_size_per_device: int = 32,
         resolution: int = 256,
         alignment: int = 8,
@@ -64,6 +66,7 @@ class BucketDataModule(LightningDataModule):
             metadata: Parquet table: a file, a folder of .parquet files or a glob, local or fsspec URL (s3://...).
             scan_root: Instead of metadata: a folder of images (local or URL) to index by reading image headers.
             root: Folder the filenames are relative to; default: the folder of metadata, or scan_root.
+            datasets: Instead of metadata/scan_root: several datasets mixed by weight (each with its own root, repeats).
             batch_size_per_device: Samples per batch on each device; the global batch is this x world size.
             resolution: Bucket area is about resolution**2 pixels (e.g. 256 gives 256x256, 320x192, ...).
             alignment: Bucket sides are multiples of this many pixels.
@@ -89,8 +92,14 @@ class BucketDataModule(LightningDataModule):
         """
         super().__init__()
         problems = []
-        if (metadata is None) == (scan_root is None):
-            problems.append(f"data.metadata = {metadata!r}, data.scan_root = {scan_root!r}: set exactly one of them")
+        if datasets:
+            if metadata is not None or scan_root is not None:
+                problems.append("data.datasets is set together with data.metadata or data.scan_root: use one form")
+            sources = list(datasets)
+        else:
+            sources = [DatasetSource(metadata, scan_root, root, 1.0, repeats, labels_from_folders, index_cache)]
+        for i, source in enumerate(sources):
+            problems += source.problems(f"data.datasets[{i}]" if datasets else "data")
         if batch_size_per_device < 1:
             problems.append(f"data.batch_size_per_device = {batch_size_per_device}: must be >= 1")
         if repeats < 1:
@@ -107,20 +116,14 @@ class BucketDataModule(LightningDataModule):
         from lit_dist.data.buckets import make_buckets
 
         self.bucket_sizes = make_buckets(resolution, alignment, max_aspect)  # validates those three
+        self.sources = sources
         self.metadata = metadata
-        self.scan_root = scan_root
-        if root is None:
-            root = scan_root if scan_root is not None else _parent(metadata)
-        self.root = root
         self.batch_size_per_device = batch_size_per_device
         self.random_crop = random_crop
-        self.repeats = repeats
         self.allow_oversubscription = allow_oversubscription
         self.val_fraction = val_fraction
         self.extra_columns = extra_columns
         self.strict = strict
-        self.labels_from_folders = labels_from_folders
-        self.index_cache = index_cache
         self.preserve_cache = preserve_cache
         self.num_workers = num_workers
         self.seed = seed
@@ -139,15 +142,6 @@ class BucketDataModule(LightningDataModule):
 
     # -- reading ----------------------------------------------------------------------------
 
-    @property
-    def table_path(self) -> str:
-        """The parquet table this module reads: ``metadata``, or the cached index of ``scan_root``."""
-        if self.metadata is not None:
-            return self.metadata
-        from lit_dist.data.discovery import default_cache_path
-
-        return self.index_cache or default_cache_path(self.scan_root)
-
     def prepare_data(self) -> None:
         # Lightning runs this on local rank 0 of each node while the other ranks wait.
         if self.create_demo_if_missing and self.metadata is not None and not os.path.exists(self.metadata):
@@ -155,29 +149,35 @@ class BucketDataModule(LightningDataModule):
 
             rank_zero_info(f"lit-dist: demo dataset not found at {self.metadata}; generating it (once)")
             create_shapes_dataset(self.metadata, num_images=self.demo_num_images, seed=self.seed)
-        if self.scan_root is not None:
-            from lit_dist.data.discovery import load_or_scan
+        for source in self.sources:
+            if source.scan_root is not None:
+                from lit_dist.data.discovery import load_or_scan
 
-            load_or_scan(self.scan_root, self.table_path, self.storage_options, self.labels_from_folders,
-                         self.preserve_cache)
+                load_or_scan(source.scan_root, source.table_path, self.storage_options, source.labels_from_folders,
+                             self.preserve_cache)
 
-    def read(self):
-        """The cleaned metadata (bad rows reported) and each row's bucket and split (0 train, 1 val, 2 test)."""
+    def read(self) -> list:
+        """Per dataset: its cleaned metadata (bad rows reported), each row's bucket and split (0/1/2)."""
         from lit_dist.data.buckets import assign_buckets
         from lit_dist.data.metadata import hash_split, read_metadata
+        from lit_dist.data.sources import merge_labels
 
-        # The cached index of a scan is on local or home storage, not behind storage_options.
-        options = self.storage_options if self.metadata is not None else None
-        meta = read_metadata(self.table_path, options, extra_columns=self.extra_columns, strict=self.strict)
-        if meta.bad.total:
-            rank_zero_warn(f"lit-dist: skipped {meta.bad.total} bad rows of {self.table_path}: {meta.bad.summary()}")
-        if meta.splits is not None:
-            splits = meta.splits
-        elif self.val_fraction > 0:
-            splits = hash_split(meta.filenames, self.val_fraction)
-        else:
-            splits = np.zeros(len(meta), dtype=np.int8)
-        return meta, assign_buckets(meta.widths, meta.heights, self.bucket_sizes), splits
+        parts = []
+        for source in self.sources:
+            # The cached index of a scan is on local or home storage, not behind storage_options.
+            options = self.storage_options if source.metadata is not None else None
+            meta = read_metadata(source.table_path, options, extra_columns=self.extra_columns, strict=self.strict)
+            if meta.bad.total:
+                rank_zero_warn(f"lit-dist: skipped {meta.bad.total} bad rows of {source.table_path}: {meta.bad.summary()}")
+            if meta.splits is not None:
+                splits = meta.splits
+            elif self.val_fraction > 0:
+                splits = hash_split(meta.filenames, self.val_fraction)
+            else:
+                splits = np.zeros(len(meta), dtype=np.int8)
+            parts.append((meta, assign_buckets(meta.widths, meta.heights, self.bucket_sizes), splits))
+        self.classes = merge_labels([meta for meta, _, _ in parts])
+        return parts
 
     def setup(self, stage: str) -> None:
         trainer = self.trainer
@@ -186,25 +186,35 @@ class BucketDataModule(LightningDataModule):
             trainer.callbacks.append(self.monitor)
         if self._splits:
             return
-        meta, bucket_ids, splits = self.read()
-        self.classes = meta.classes
-        for code, split in enumerate(("train", "val", "test")):
-            rows = np.flatnonzero(splits == code)
-            self._splits[split] = self._dataset(meta, rows, bucket_ids[rows], random_crop=self.random_crop and split == "train")
-        self._splits["predict"] = self._dataset(meta, np.arange(len(meta)), bucket_ids, random_crop=False)
+        parts = self.read()
+        for code, split in enumerate(("train", "val", "test", "predict")):
+            chosen = [np.flatnonzero(splits == code) if code < 3 else np.arange(len(meta)) for meta, _, splits in parts]
+            datasets = [self._dataset(source, meta, rows, buckets[rows], self.random_crop and split == "train")
+                        for source, (meta, buckets, _), rows in zip(self.sources, parts, chosen, strict=True)]
+            self._splits[split] = self._combine(datasets)
         if len(self._splits["train"]) == 0 and stage == "fit":
-            raise DataError(f"{self.table_path}: no training rows (check the split column or data.val_fraction)")
+            raise DataError(f"{', '.join(s.table_path for s in self.sources)}: no training rows "
+                            "(check the split column or data.val_fraction)")
         if len(self._splits["test"]) == 0:  # tables without a test split evaluate `test` on the validation rows
             self._splits["test"] = self._splits["val"]
 
-    def _dataset(self, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool):
+    def _combine(self, datasets: list):
+        if len(datasets) == 1:
+            return datasets[0]
+        from lit_dist.data.sources import MixedDataset
+
+        k = len(self.bucket_sizes)
+        groups = np.concatenate([d.bucket_ids.astype(np.int32) + i * k for i, d in enumerate(datasets)])
+        return MixedDataset(datasets, groups)
+
+    def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool):
         import pyarrow as pa
 
         from lit_dist.data.dataset import BucketImageDataset
 
         take = pa.array(rows)
         return BucketImageDataset(
-            root=self.root,
+            root=source.image_root,
             filenames=meta.filenames.take(take),
             bucket_sizes=self.bucket_sizes,
             bucket_ids=bucket_ids,
@@ -217,6 +227,14 @@ class BucketDataModule(LightningDataModule):
             max_image_pixels=self.max_image_pixels,
         )
 
+    def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per group (dataset x bucket): its (width, height), its dataset, and its dataset's repeats."""
+        k, n = len(self.bucket_sizes), len(self.sources)
+        sizes = np.tile(self.bucket_sizes, (n, 1))
+        source = np.repeat(np.arange(n), k)
+        repeats = np.repeat([s.repeats for s in self.sources], k)
+        return sizes, source, repeats
+
     # -- batches ----------------------------------------------------------------------------
 
     def world(self) -> tuple[int, int]:
@@ -226,20 +244,30 @@ class BucketDataModule(LightningDataModule):
 
     def train_sampler(self, world_size: int, rank: int):
         """The training sampler for a world of ``world_size``; raises DataError when buckets are too small."""
-        from lit_dist.data.sampler import BucketBatchSampler, plan_buckets
+        from lit_dist.data.sampler import BucketBatchSampler
 
         dataset = self._splits["train"]
-        global_batch = self.batch_size_per_device * world_size
-        repeats, rows, problems = plan_buckets(dataset.bucket_ids, self.bucket_sizes, global_batch, self.repeats,
-                                               self.allow_oversubscription)
+        per_group, source, rows, problems = self.plan_train(dataset.bucket_ids, world_size)
         if problems:
             raise DataError("; ".join(problems))
-        raised = [r for r in rows if r["repeats"] > self.repeats]
+        raised = [r for r in rows if r["repeats"] > self.sources[r["dataset"]].repeats]
         if raised:
             rank_zero_warn("lit-dist: allow_oversubscription repeats small buckets: "
                            + ", ".join(f"{r['bucket']} x{r['repeats']} ({r['samples']} samples)" for r in raised))
+        weights = np.array([s.weight for s in self.sources]) if len(self.sources) > 1 else None
         return BucketBatchSampler(dataset.bucket_ids, self.batch_size_per_device, world_size, rank, self.seed,
-                                  shuffle=True, repeats=repeats)
+                                  shuffle=True, repeats=per_group, group_source=source, source_weights=weights)
+
+    def plan_train(self, group_ids: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray, list[dict], list[str]]:
+        """Repeats per group (dataset x bucket), each group's dataset, a report row per group, and problems."""
+        from lit_dist.data.sampler import plan_buckets
+
+        sizes, source, repeats = self.groups()
+        global_batch = self.batch_size_per_device * world_size
+        per_group, rows, problems = plan_buckets(group_ids, sizes, global_batch, repeats, self.allow_oversubscription)
+        for row in rows:
+            row["dataset"] = int(source[row["group"]])
+        return per_group, source, rows, problems
 
     def _loader(self, split: str, sampler) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
@@ -297,12 +325,3 @@ class BucketDataModule(LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position without replaying the loader: the sampler skips what was done."""
         self._resume = dict(state) if state else None
-
-
-def _parent(metadata: str) -> str:
-    """The folder a table's filenames are relative to by default: the table's own folder."""
-    path = metadata.rstrip("/")
-    if path.endswith(".parquet") or any(c in path for c in "*?["):
-        path = path.split("*")[0].split("?")[0].split("[")[0]
-        path = path.rsplit("/", 1)[0] if "/" in path else "."
-    return path or "."

@@ -41,6 +41,8 @@ class BucketBatchSampler(DistributedSampler):
         seed: int = 0,
         shuffle: bool = True,
         repeats: np.ndarray | int = 1,
+        group_source: np.ndarray | None = None,
+        source_weights: np.ndarray | None = None,
     ):
         # DistributedSampler's own __init__ would query the process group; set what it sets instead.
         self.num_replicas = num_replicas
@@ -56,9 +58,13 @@ class BucketBatchSampler(DistributedSampler):
         # A stable sort of 16-bit keys is a radix sort in numpy: O(n), several times faster at 10 M rows.
         keys = self.bucket_ids.astype(np.int16, copy=False) if len(counts) < 2**15 else self.bucket_ids
         order = np.argsort(keys, kind="stable").astype(np.int32 if len(keys) < 2**31 else np.int64)
+        present = np.flatnonzero(counts)
         self.members = [m for m in np.split(order, np.cumsum(counts)[:-1]) if len(m)]
+        # Mixing datasets: bucket ids are groups (dataset x bucket); each group belongs to a source,
+        # and the sources' weights set their shares of every epoch's batches.
+        self.member_source = None if group_source is None else np.asarray(group_source)[present]
+        self.source_weights = None if source_weights is None else np.asarray(source_weights, dtype=np.float64)
         if shuffle:
-            present = np.flatnonzero(counts)
             per_bucket = np.asarray(repeats, dtype=np.int64)  # a scalar, or one entry per bucket id
             times = per_bucket[present] if per_bucket.ndim else np.full(len(present), int(per_bucket))
             # Repeats tile a bucket's members; each copy is shuffled on its own so a sample's copies spread out.
@@ -106,51 +112,84 @@ class BucketBatchSampler(DistributedSampler):
         Only this rank's columns of each bucket's global batches are gathered: the one
         O(n) step per epoch is the in-place shuffle of each bucket's members.
         """
-        g, b = self.global_batch_size, self.batch_size_per_device
+        b = self.batch_size_per_device
         rng = np.random.default_rng([self.seed, self.epoch])
-        mine = []
-        for members in self.members:
-            n = len(members)
-            leftover = n % g
-            start = (self.epoch * leftover) % n  # the samples left over rotate from epoch to epoch
-            kept = np.concatenate((members[start:], members[:start]))[: n - leftover]  # a fresh copy
-            rng.shuffle(kept)  # in place; the same draws as kept[rng.permutation(len(kept))]
-            mine.append(kept.reshape(-1, g)[:, self.rank * b : (self.rank + 1) * b])  # (global batches, b) view
-        if not mine:
+        rows = [self._rank_rows(members, rng, self.epoch) for members in self.members]
+        if self.source_weights is not None:
+            rows = self._weighted(rows, rng)
+        if not rows:
             return np.zeros((0, b), dtype=np.int64)
-        stacked = np.concatenate(mine)  # (num_global_batches, b): n / world_size entries
+        stacked = np.concatenate(rows)  # (num_global_batches, b): n / world_size entries
         return stacked[rng.permutation(len(stacked))]
 
+    def _rank_rows(self, members: np.ndarray, rng: np.random.Generator, rotation: int) -> np.ndarray:
+        """This rank's slice of every global batch one shuffle of ``members`` makes: (global batches, b)."""
+        g, b = self.global_batch_size, self.batch_size_per_device
+        n = len(members)
+        leftover = n % g
+        start = (rotation * leftover) % n  # the samples left over rotate from epoch to epoch
+        kept = np.concatenate((members[start:], members[:start]))[: n - leftover]  # a fresh copy
+        rng.shuffle(kept)  # in place; the same draws as kept[rng.permutation(len(kept))]
+        return kept.reshape(-1, g)[:, self.rank * b : (self.rank + 1) * b]  # a view
 
-def plan_buckets(bucket_ids: np.ndarray, bucket_sizes: np.ndarray, global_batch: int, repeats: int = 1,
+    def _weighted(self, rows: list[np.ndarray], rng: np.random.Generator) -> list[np.ndarray]:
+        """Resample whole global batches so each source gets its weight's share of the epoch.
+
+        The epoch keeps its natural length. A source owed more batches than one pass over it
+        gives takes further passes, each shuffled from (seed, epoch, source, pass); every rank
+        computes the same choice, so batch counts stay equal.
+        """
+        sources = np.arange(len(self.source_weights))
+        natural = [np.concatenate([r for r, s in zip(rows, self.member_source, strict=True) if s == d] or
+                                  [np.zeros((0, self.batch_size_per_device), dtype=np.int64)]) for d in sources]
+        total = sum(len(x) for x in natural)
+        weights = np.where([len(x) for x in natural], self.source_weights, 0.0)
+        share = weights / weights.sum() * total if weights.sum() else np.zeros(len(sources))
+        owed = np.floor(share).astype(np.int64)
+        owed[np.argsort(-(share - owed), kind="stable")[: total - owed.sum()]] += 1  # largest remainders
+        chosen = []
+        for d in sources:
+            pool, passes = natural[d], 0
+            while len(pool) < owed[d]:
+                passes += 1
+                extra = np.random.default_rng([self.seed, self.epoch, int(d), passes])
+                members = [m for m, s in zip(self.members, self.member_source, strict=True) if s == d]
+                pool = np.concatenate([pool, *(self._rank_rows(m, extra, self.epoch + passes) for m in members)])
+            chosen.append(pool[rng.permutation(len(pool))[: owed[d]]])
+        return chosen
+
+
+def plan_buckets(bucket_ids: np.ndarray, bucket_sizes: np.ndarray, global_batch: int, repeats: np.ndarray | int = 1,
                  allow_oversubscription: bool = False) -> tuple[np.ndarray, list[dict], list[str]]:
     """Repeats per bucket, a report row per bucket, and the problems that make training impossible.
 
-    A bucket with fewer than one global batch of samples (after ``repeats``) would never
-    yield a batch: that is a problem naming the bucket, unless ``allow_oversubscription``
-    raises its repeats to the minimum that fills one global batch.
+    A bucket with fewer than one global batch of samples (after ``repeats``, a scalar or
+    one per bucket id) would never yield a batch: that is a problem naming the bucket,
+    unless ``allow_oversubscription`` raises its repeats to the minimum that fills one.
     """
     num_buckets = len(bucket_sizes)
     counts = np.bincount(np.asarray(bucket_ids, dtype=np.int64), minlength=num_buckets)
-    per_bucket = np.full(num_buckets, repeats, dtype=np.int64)
+    per_bucket = np.broadcast_to(np.asarray(repeats, dtype=np.int64), (num_buckets,)).copy()
+    configured = per_bucket.copy()
     rows, too_small = [], []
     for b in np.flatnonzero(counts):
         n = int(counts[b])
         needed = -(-global_batch // n)
-        if n * repeats < global_batch:
+        if n * configured[b] < global_batch:
             too_small.append((b, n, needed))
             if allow_oversubscription:
                 per_bucket[b] = needed
         samples = n * int(per_bucket[b])
-        rows.append({"bucket": tuple(int(v) for v in bucket_sizes[b]), "samples": n, "repeats": int(per_bucket[b]),
-                     "batches_per_rank": samples // global_batch, "left_for_next_epoch": samples % global_batch})
+        rows.append({"group": int(b), "bucket": tuple(int(v) for v in bucket_sizes[b]), "samples": n,
+                     "repeats": int(per_bucket[b]), "batches_per_rank": samples // global_batch,
+                     "left_for_next_epoch": samples % global_batch})
     problems = []
     if too_small and not allow_oversubscription:
         listed = ", ".join(f"{tuple(int(v) for v in bucket_sizes[b])}: {n} samples" for b, n, _ in too_small)
         most = max(needed for _, _, needed in too_small)
         problems.append(
             f"{len(too_small)} bucket(s) (width, height) have fewer than one global batch of {global_batch} samples "
-            f"(data.batch_size_per_device x world size) with data.repeats = {repeats} and would never be used: {listed}. "
+            f"(data.batch_size_per_device x world size) at their repeats and would never be used: {listed}. "
             f"Set data.repeats >= {most}, lower data.batch_size_per_device, or set data.allow_oversubscription: true "
             "to repeat just these buckets as often as needed"
         )

@@ -106,3 +106,20 @@ def test_per_bucket_repeats_work_when_some_buckets_are_empty():
     assert not problems and repeats[3] == 2
     sampler = BucketBatchSampler(bucket_ids, 4, 1, 0, repeats=repeats)
     assert len(list(sampler)) == len(sampler) == 5 + 1
+
+
+def test_weighted_sources_get_their_share_of_every_epoch_on_every_rank():
+    # Two datasets: source 0 owns groups 0-2 (900 samples), source 1 owns groups 3-4 (100 samples).
+    groups = np.array([0] * 300 + [1] * 300 + [2] * 300 + [3] * 60 + [4] * 40)
+    source = np.array([0, 0, 0, 1, 1])
+    per_rank = []
+    for rank in range(2):
+        sampler = BucketBatchSampler(groups, 4, 2, rank, seed=1, group_source=source, source_weights=np.array([0.5, 0.5]))
+        sampler.set_epoch(3)
+        per_rank.append(list(sampler))
+        assert len(per_rank[-1]) == len(sampler)
+    assert len(per_rank[0]) == len(per_rank[1])
+    from_small = [b for _e, b, _w in per_rank[0] if groups[b[0]] >= 3]
+    assert abs(len(from_small) - len(per_rank[0]) / 2) <= 1, "a 50/50 mix must draw half the batches from the small set"
+    for (_, a, _), (_, b, _) in zip(per_rank[0], per_rank[1], strict=True):
+        assert groups[a[0]] == groups[b[0]], "ranks must be in the same global batch at every step"

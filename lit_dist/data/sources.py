@@ -1,0 +1,115 @@
+"""Where the images of a run come from: one or several datasets, each a table or a scanned folder.
+
+Several datasets are mixed by weight (``data.datasets``); the single-dataset fields of
+``BucketDataModule`` (``metadata``, ``scan_root``, ...) are shorthand for a list of one.
+Each dataset's rows keep their own root, and a batch never mixes datasets, so a batch
+is always one bucket of one dataset.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lit_dist.errors import DataError
+
+
+@dataclass
+class DatasetSource:
+    """One dataset of a run.
+
+    Args:
+        metadata: Parquet table: a file, a folder of .parquet files or a glob, local or fsspec URL.
+        scan_root: Instead of metadata: a folder of images (local or URL) to index by reading headers.
+        root: Folder the filenames are relative to; default: the table's folder, or scan_root.
+        weight: Share of each epoch's training batches, relative to the other datasets' weights.
+        repeats: Times each of its training samples is seen per epoch (before weighting).
+        labels_from_folders: With scan_root: the first folder level of each image is its label.
+        index_cache: With scan_root: where the index is cached; default ~/.cache/lit-dist/index-<hash>.parquet.
+    """
+
+    metadata: str | None = None
+    scan_root: str | None = None
+    root: str | None = None
+    weight: float = 1.0
+    repeats: int = 1
+    labels_from_folders: bool = False
+    index_cache: str | None = None
+
+    def problems(self, where: str) -> list[str]:
+        out = []
+        if (self.metadata is None) == (self.scan_root is None):
+            out.append(f"{where}: metadata = {self.metadata!r}, scan_root = {self.scan_root!r}: set exactly one of them")
+        if self.weight <= 0:
+            out.append(f"{where}.weight = {self.weight}: must be > 0")
+        if self.repeats < 1:
+            out.append(f"{where}.repeats = {self.repeats}: must be >= 1")
+        return out
+
+    @property
+    def table_path(self) -> str:
+        """The parquet table read: ``metadata``, or the cached index of ``scan_root``."""
+        if self.metadata is not None:
+            return self.metadata
+        from lit_dist.data.discovery import default_cache_path
+
+        return self.index_cache or default_cache_path(self.scan_root)
+
+    @property
+    def image_root(self) -> str:
+        if self.root is not None:
+            return self.root
+        return self.scan_root if self.scan_root is not None else table_folder(self.metadata)
+
+
+def table_folder(metadata: str) -> str:
+    """The folder a table's filenames are relative to by default: the table's own folder."""
+    path = metadata.rstrip("/")
+    if path.endswith(".parquet") or any(c in path for c in "*?["):
+        path = path.split("*")[0].split("?")[0].split("[")[0]
+        path = path.rsplit("/", 1)[0] if "/" in path else "."
+    return path or "."
+
+
+def merge_labels(metas: list) -> list[str] | None:
+    """Give every dataset the same class indices: string labels map into the sorted union of names."""
+    kinds = {m.labels is None for m in metas}
+    if len(kinds) > 1:
+        raise DataError("some datasets have a label column and others do not; give all of them labels, or none")
+    named = [m.classes is not None for m in metas if m.labels is not None]
+    if not named:
+        return None
+    if len(set(named)) > 1:
+        raise DataError("some datasets have integer labels and others strings; use one kind for all of them")
+    if not named[0]:
+        return None
+    classes = sorted(set().union(*(m.classes for m in metas)))
+    lookup = {name: i for i, name in enumerate(classes)}
+    for m in metas:
+        m.labels = np.array([lookup[c] for c in m.classes], dtype=np.int64)[m.labels]
+        m.classes = classes
+    return classes
+
+
+class MixedDataset:
+    """Several BucketImageDatasets behind one index space; a batch request goes to the dataset it falls in."""
+
+    def __init__(self, parts: list, bucket_ids: np.ndarray):
+        self.parts = parts
+        self.offsets = np.cumsum([0] + [len(p) for p in parts])
+        self.bucket_ids = bucket_ids  # group ids: dataset x bucket
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, request: tuple[int, list[int], float]) -> dict:
+        epoch, indices, weight = request
+        part = int(np.searchsorted(self.offsets, indices[0], side="right")) - 1
+        batch = self.parts[part][(epoch, [i - int(self.offsets[part]) for i in indices], weight)]
+        batch["dataset"] = torch_full(len(indices), part)
+        return batch
+
+
+def torch_full(n: int, value: int):
+    import torch
+
+    return torch.full((n,), value, dtype=torch.int64)
