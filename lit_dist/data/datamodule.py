@@ -102,8 +102,8 @@ class BucketDataModule(LightningDataModule):
             problems += source.problems(f"data.datasets[{i}]" if datasets else "data")
         if batch_size_per_device < 1:
             problems.append(f"data.batch_size_per_device = {batch_size_per_device}: must be >= 1")
-        if repeats < 1:
-            problems.append(f"data.repeats = {repeats}: must be >= 1")
+        if not 0 <= max_bad_fraction <= 1:
+            problems.append(f"data.max_bad_fraction = {max_bad_fraction}: must be in [0, 1]")
         if not 0 <= val_fraction < 1:
             problems.append(f"data.val_fraction = {val_fraction}: must be in [0, 1)")
         if num_workers < 0:

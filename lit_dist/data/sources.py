@@ -9,6 +9,7 @@ is always one bucket of one dataset.
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from lit_dist.errors import DataError
 
@@ -105,11 +106,5 @@ class MixedDataset:
         epoch, indices, weight = request
         part = int(np.searchsorted(self.offsets, indices[0], side="right")) - 1
         batch = self.parts[part][(epoch, [i - int(self.offsets[part]) for i in indices], weight)]
-        batch["dataset"] = torch_full(len(indices), part)
+        batch["dataset"] = torch.full((len(indices),), part, dtype=torch.int64)
         return batch
-
-
-def torch_full(n: int, value: int):
-    import torch
-
-    return torch.full((n,), value, dtype=torch.int64)
