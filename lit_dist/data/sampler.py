@@ -68,8 +68,16 @@ class BucketBatchSampler(DistributedSampler):
             per_bucket = np.asarray(repeats, dtype=np.int64)  # a scalar, or one entry per bucket id
             times = per_bucket[present] if per_bucket.ndim else np.full(len(present), int(per_bucket))
             # Repeats tile a bucket's members; each copy is shuffled on its own so a sample's copies spread out.
-            self.members = [np.concatenate([m[rng.permutation(len(m))] for _ in range(int(r))]) for m, r in zip(self.members, times, strict=True)]
+            # (The members are views of `order`, which is ours: shuffling in place copies nothing.)
+            self.members = [self._shuffled(m, rng) if r == 1 else
+                            np.concatenate([self._shuffled(m.copy(), rng) for _ in range(int(r))])
+                            for m, r in zip(self.members, times, strict=True)]
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches done) of a mid-epoch checkpoint
+
+    @staticmethod
+    def _shuffled(members: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        rng.shuffle(members)  # in place; the same draws as members[rng.permutation(len(members))]
+        return members
 
     @property
     def global_batch_size(self) -> int:
