@@ -19,7 +19,7 @@ from lit_dist.run import RunConfig, run_dir
 
 MODEL = "lit_dist.module.LitModel"
 DATA = "lit_dist.data.datamodule.BucketDataModule"
-SUBCOMMANDS = ("fit", "validate", "test", "predict", "plan", "index")
+SUBCOMMANDS = ("fit", "validate", "test", "predict", "plan", "index", "export")
 
 
 class LitDistCLI(LightningCLI):
@@ -58,7 +58,10 @@ class LitDistCLI(LightningCLI):
         )
 
     def add_arguments_to_parser(self, parser) -> None:
+        from lit_dist.callbacks.export import ExportModel
+
         parser.add_class_arguments(RunConfig, "run")
+        parser.add_lightning_class_args(ExportModel, "export")
         if self.subclass_mode_model:
             parser.set_defaults({"model": {"class_path": MODEL}, "data": {"class_path": DATA}})
 
@@ -69,11 +72,34 @@ class LitDistCLI(LightningCLI):
         run = RunConfig(**vars(config.run))
         config.run.run_id, path = run_dir(run)
         config.trainer.default_root_dir = path
+        if config.trainer.precision is None:
+            config.trainer.precision = default_precision(config.trainer)
+        self._check_strategy(config)
         if config.trainer.logger in (None, True):
             config.trainer.logger = Namespace(
                 class_path="lightning.pytorch.loggers.TensorBoardLogger",
                 init_args=Namespace(save_dir=run.root_dir, name=run.name, version=config.run.run_id, default_hp_metric=False),
             )
+
+    def _check_strategy(self, config) -> None:
+        """Strategy misconfigurations, found before any process or process group starts."""
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        from lit_dist.errors import ConfigError
+        from lit_dist.plan import world_size
+        from lit_dist.strategies import check_deepspeed, check_strategy
+
+        problems = check_strategy(config.trainer)
+        deepspeed_problems, warnings = check_deepspeed(config, world_size(config.trainer)[0])
+        for warning in warnings:
+            rank_zero_warn(f"lit-dist: {warning}")
+        ConfigError.collect(problems + deepspeed_problems)
+        init_args = getattr(config.trainer.strategy, "init_args", None)
+        per_device = getattr(getattr(config.data, "init_args", config.data), "batch_size_per_device", None)
+        if init_args is not None and getattr(init_args, "logging_batch_size_per_gpu", None) == "auto" and per_device:
+            # DeepSpeed's micro batch: Lightning would guess it from the loader's batch_size, which our
+            # loaders leave unset (the dataset returns whole batches).
+            init_args.logging_batch_size_per_gpu = per_device
 
     def after_fit(self) -> None:
         self._report("fit")
@@ -119,11 +145,18 @@ class PlanCLI(LitDistCLI):
 
 
 def _dispatch(argv: list[str]) -> int | None:
-    """Run lit-dist's own subcommands (plan, index); None for the LightningCLI ones."""
+    """Run lit-dist's own subcommands (plan, index, export); None for the LightningCLI ones."""
     if argv[:1] == ["plan"]:
         from lit_dist.plan import plan
 
         return plan(PlanCLI(args=argv[1:], run=False))
+    if argv[:1] == ["export"]:
+        from jsonargparse import CLI
+
+        from lit_dist.export import export
+
+        CLI(export, args=argv[1:], prog="lit-dist export", exit_on_error=False)
+        return int(ExitCode.OK)
     if argv[:1] == ["index"]:
         from jsonargparse import CLI
 
@@ -132,6 +165,14 @@ def _dispatch(argv: list[str]) -> int | None:
         CLI(index, args=argv[1:], prog="lit-dist index", exit_on_error=False)
         return int(ExitCode.OK)
     return None
+
+
+def default_precision(trainer_config) -> str:
+    """bf16-mixed on GPUs that support it (unless the accelerator is forced to CPU), else 32-true."""
+    import torch
+
+    on_gpu = str(trainer_config.accelerator).lower() in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
 
 
 def _silence_lightning_noise() -> None:

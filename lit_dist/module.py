@@ -116,6 +116,9 @@ class LitModel(LightningModule):
     # -- setup -----------------------------------------------------------------------------
 
     def configure_model(self) -> None:
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if hasattr(strategy, "shard"):  # FSDP2Strategy: per-block fully_shard before the optimizer exists
+            strategy.shard(self.net)
         if self.compile and not getattr(self, "_compiled", False):
             self.net.compile()  # in place: state_dict keys stay free of "_orig_mod."
             self._compiled = True

@@ -1,5 +1,5 @@
 """Small reference networks. Any ``torch.nn.Module`` can be named in the YAML instead."""
 
-from lit_dist.models.cnn import SimpleCNN
+from lit_dist.models.cnn import ConvStage, SimpleCNN
 
-__all__ = ["SimpleCNN"]
+__all__ = ["ConvStage", "SimpleCNN"]

@@ -1,7 +1,17 @@
 """A small convolutional classifier that takes images of any size and aspect ratio."""
 
+from typing import Literal
+
 import torch
 from torch import nn
+
+
+class ConvStage(nn.Sequential):
+    """Conv 3x3 stride 2, a norm layer, ReLU: one block (the unit FSDP shards)."""
+
+    def __init__(self, in_channels: int, out_channels: int, norm: str = "batch"):
+        layer = nn.BatchNorm2d(out_channels) if norm == "batch" else nn.GroupNorm(min(8, out_channels), out_channels)
+        super().__init__(nn.Conv2d(in_channels, out_channels, 3, stride=2, padding=1, bias=False), layer, nn.ReLU(inplace=True))
 
 
 class SimpleCNN(nn.Module):
@@ -11,21 +21,24 @@ class SimpleCNN(nn.Module):
     run goes through the same weights.
     """
 
-    def __init__(self, num_classes: int = 10, channels: tuple[int, ...] = (16, 32, 64), in_channels: int = 3):
+    def __init__(self, num_classes: int = 10, channels: tuple[int, ...] = (16, 32, 64), in_channels: int = 3,
+                 norm: Literal["batch", "group"] = "batch"):
         """Build the network.
 
         Args:
             num_classes: Number of output classes (logits).
             channels: Output channels of each stride-2 stage; the length is the depth.
             in_channels: Channels of the input images (3 for RGB).
+            norm: batch (BatchNorm, statistics per device) or group (GroupNorm, per sample: independent of
+                how a batch is split over devices).
         """
         super().__init__()
-        layers: list[nn.Module] = []
+        stages: list[nn.Module] = []
         prev = in_channels
         for width in channels:
-            layers += [nn.Conv2d(prev, width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+            stages.append(ConvStage(prev, width, norm))
             prev = width
-        self.features = nn.Sequential(*layers)
+        self.features = nn.Sequential(*stages)
         self.head = nn.Linear(prev, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

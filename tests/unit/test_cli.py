@@ -4,11 +4,12 @@ import inspect
 import re
 
 import pytest
+import torch
 import yaml
 
 from lit_dist.cli import LitDistCLI
 from lit_dist.data.datamodule import BucketDataModule
-from lit_dist.errors import ExitCode
+from lit_dist.errors import ConfigError, ExitCode
 from lit_dist.module import LitModel
 from lit_dist.run import RunConfig, resolve_run_id
 from tests.conftest import CONFIGS, lit_dist
@@ -16,15 +17,49 @@ from tests.conftest import CONFIGS, lit_dist
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 
 
+GPU_ONLY = {"fsdp.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero2_offload.yaml",
+            "deepspeed_zero3_offload.yaml"}
+
+
 @pytest.mark.parametrize("config", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_builds_model_data_and_trainer(config, tmp_path, demo_data):
-    # Overlays like trainer_options.yaml are layered on the quickstart, the way their header says.
+    # Overlays (strategies, trainer options) are layered on the quickstart, the way their headers say.
     configs = [CONFIGS / "quickstart.yaml"] + ([config] if config.name != "quickstart.yaml" else [])
     args = [a for c in configs for a in ("--config", str(c))]
-    cli = LitDistCLI(args=[*args, "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path)], run=False)
+    args += ["--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path)]
+    if config.name in GPU_ONLY and not torch.cuda.is_available():
+        # Refused before any process starts, with the CPU alternatives named.
+        with pytest.raises(ConfigError, match="needs CUDA GPUs.*(ddp|FSDP2Strategy)"):
+            LitDistCLI(args=args, run=False)
+        return
+    cli = LitDistCLI(args=args, run=False)
     assert isinstance(cli.model, LitModel)
     assert isinstance(cli.datamodule, BucketDataModule)
     assert cli.trainer.default_root_dir.startswith(str(tmp_path))
+
+
+def test_deepspeed_json_that_disagrees_with_the_run_is_refused(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from lit_dist.strategies import check_deepspeed
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 100, "gradient_accumulation_steps": 4,
+                                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
+    config = SimpleNamespace(
+        trainer=SimpleNamespace(strategy=SimpleNamespace(class_path="lightning.pytorch.strategies.DeepSpeedStrategy",
+                                                         init_args=SimpleNamespace(config=str(path))),
+                                accumulate_grad_batches=2, gradient_clip_val=None),
+        data=SimpleNamespace(init_args=SimpleNamespace(batch_size_per_device=8)),
+        model=SimpleNamespace(init_args=SimpleNamespace(optimizer=SimpleNamespace(class_path="torch.optim.AdamW"))),
+    )
+    problems, warnings = check_deepspeed(config, world_size=4)
+    text = " ".join(problems)
+    assert "gradient_accumulation_steps = 4 but the run says 2" in text
+    assert "train_batch_size = 100" in text and "8 x 4 x 2 = 64" in text
+    assert "DeepSpeedCPUAdam" in text
+    assert warnings and "ZeRO-3" in warnings[0]
 
 
 def test_several_configs_and_dotted_overrides_apply_in_order(tmp_path):

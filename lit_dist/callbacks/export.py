@@ -1,0 +1,80 @@
+"""``ExportModel``: at the end of ``fit``, one consolidated full-precision ``model.pt`` in the run directory.
+
+A plain ``state_dict`` of the wrapped network (``LitModel.net``; the whole module for other
+LightningModules), in float32, loadable without lit-dist or Lightning, whatever the strategy:
+
+    net.load_state_dict(torch.load("runs/exp/run/model.pt", weights_only=True))
+
+Configured by the CLI's ``export`` group::
+
+    export:
+      filename: model.pt      # null: no export
+"""
+
+import os
+
+import torch
+from lightning.pytorch import Callback
+
+from lit_dist.export import save_atomically, strip_prefix, to_full_precision
+
+
+class ExportModel(Callback):
+    """Writes ``{run dir}/{filename}`` from rank 0 when training ends; sharded states are gathered first."""
+
+    def __init__(self, filename: str | None = "model.pt"):
+        """Export settings.
+
+        Args:
+            filename: File name in the run directory for the consolidated state_dict; null turns the export off.
+        """
+        self.filename = filename
+        self.path: str | None = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Before the strategy is torn down: gathering a sharded state is a collective on every rank.
+        if not self.filename:
+            return
+        state = full_state_dict(trainer, pl_module)
+        if trainer.is_global_zero:
+            run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+            self.path = os.path.join(run_dir, self.filename)
+            save_atomically(to_full_precision(strip_prefix(state)), self.path)
+
+
+def full_state_dict(trainer, pl_module) -> dict:
+    """The LightningModule's unsharded state dict on rank 0 (other ranks may get {}). Call on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    strategy = trainer.strategy
+    name = type(strategy).__name__.lower()
+    if "deepspeed" in name:
+        return _deepspeed_full_state(trainer)
+    if any(isinstance(p, DTensor) for p in pl_module.parameters()):  # FSDP2 / ModelParallel
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(pl_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if "fsdp" in name:  # FSDP1
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with FSDP.state_dict_type(strategy.model, StateDictType.FULL_STATE_DICT, config):
+            return strategy.model.state_dict()
+    return {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
+
+
+def _deepspeed_full_state(trainer) -> dict:
+    """DeepSpeed keeps the float32 master weights in the optimizer: save a checkpoint, convert it on rank 0."""
+    import shutil
+
+    from lit_dist.export import load_checkpoint_state
+
+    folder = os.path.join(trainer.default_root_dir, ".export-deepspeed")
+    trainer.save_checkpoint(folder)  # collective: every rank writes its partition
+    state = {}
+    if trainer.is_global_zero:
+        state = load_checkpoint_state(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+    trainer.strategy.barrier("lit-dist-export")
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

@@ -1,0 +1,102 @@
+"""Consolidated model files: a plain ``state_dict`` of the wrapped network, loadable without lit-dist.
+
+    lit-dist export runs/my-run/slurm-123/checkpoints/epoch=3-step=4000.ckpt --output model.pt
+
+    net = MyNet(...)
+    net.load_state_dict(torch.load("model.pt", weights_only=True))
+
+Works for a Lightning checkpoint file (DDP, single device, FSDP full), a sharded folder
+(FSDP2 / FSDP1 sharded, torch.distributed.checkpoint) and a DeepSpeed ZeRO folder.
+"""
+
+import os
+import tempfile
+
+import torch
+
+from lit_dist.errors import DataError
+
+NET_PREFIX = "net."
+
+
+def strip_prefix(state: dict, prefix: str = NET_PREFIX) -> dict:
+    """The wrapped network's entries of a LightningModule state dict (LitModel keeps it as ``net``)."""
+    if any(k.startswith(prefix) for k in state):
+        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return dict(state)
+
+
+def to_full_precision(state: dict) -> dict:
+    """Floating-point tensors as float32 (half-precision training keeps bf16/fp16 copies), all on CPU."""
+    return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous()
+            for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def save_atomically(state: dict, path: str) -> None:
+    """torch.save to a temporary file in the same folder, fsync, rename: never a torn file at ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_checkpoint_state(path: str) -> dict:
+    """The LightningModule state dict held by any checkpoint lit-dist or Lightning writes."""
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "latest")) or any(n.startswith("global_step") for n in os.listdir(path)):
+            return _deepspeed_state(path)
+        if os.path.exists(os.path.join(path, ".metadata")):
+            return _dcp_state(path)
+        raise DataError(f"{path} is a folder but neither a DeepSpeed checkpoint (no 'latest') nor a sharded "
+                        "torch.distributed checkpoint (no '.metadata')")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        # Lightning checkpoints can hold hyperparameters that weights_only refuses (e.g. a config
+        # namespace); only do this for files you trust, as for any pickle.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    return checkpoint.get("state_dict", checkpoint)
+
+
+def _dcp_state(path: str) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = os.path.join(tmp, "full.pt")
+        dcp_to_torch_save(path, target)
+        checkpoint = torch.load(target, map_location="cpu", weights_only=False)
+    state = checkpoint.get("state_dict", checkpoint)
+    return state.get("model", state) if isinstance(state.get("model"), dict) else state
+
+
+def _deepspeed_state(path: str) -> dict:
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as exc:
+        raise DataError(f"{path} is a DeepSpeed checkpoint; converting it needs DeepSpeed: "
+                        "pip install --no-build-isolation deepspeed") from exc
+    return get_fp32_state_dict_from_zero_checkpoint(path)
+
+
+def export(checkpoint: str, output: str = "model.pt") -> None:
+    """Write the wrapped network of a checkpoint as a plain full-precision state_dict.
+
+    Args:
+        checkpoint: A checkpoint file (.ckpt) or folder (FSDP sharded, DeepSpeed ZeRO) written by lit-dist or Lightning.
+        output: Where to write the state_dict (torch.save); load it with torch.load(output, weights_only=True).
+    """
+    if not os.path.exists(checkpoint):
+        raise DataError(f"checkpoint {checkpoint!r} does not exist")
+    state = to_full_precision(strip_prefix(load_checkpoint_state(checkpoint)))
+    save_atomically(state, output)
+    count = sum(v.numel() for v in state.values())
+    print(f"lit-dist export: {len(state)} tensors ({count:,} values) from {checkpoint} -> {output}")

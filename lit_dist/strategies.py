@@ -1,0 +1,226 @@
+"""Strategy presets that take their settings from YAML, and the checks run before any process group.
+
+    trainer:
+      strategy:
+        class_path: lit_dist.strategies.FSDP2Strategy
+        init_args:
+          block_classes: [my_project.nets.Block]
+
+``FSDP2Strategy`` shards each configured block with ``fully_shard`` (FSDP2) over all
+devices; it runs on CPU over gloo too, so sharded training is tested without a GPU.
+``FSDPStrategy`` is Lightning's FSDP (FSDP1) with the wrap and activation-checkpointing
+policies given as class paths. DeepSpeed is Lightning's ``DeepSpeedStrategy``
+(``configs/deepspeed_*.yaml``).
+"""
+
+import importlib
+import importlib.util
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from lit_dist.errors import ConfigError
+
+
+def import_classes(paths: list[str], field: str) -> list[type]:
+    """Classes from import paths; one ConfigError naming every path that does not import."""
+    classes, problems = [], []
+    for path in paths:
+        module, _, name = path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            problems.append(f"{field}: {path!r} does not import ({exc}); give the full import path of a module class")
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            problems.append(f"{field}: {path!r} is not a torch.nn.Module class")
+        classes.append(cls)
+    ConfigError.collect(problems)
+    return classes
+
+
+def find_blocks(model: nn.Module, classes: list[type], field: str) -> list[nn.Module]:
+    """The submodules of ``model`` that are instances of ``classes``; ConfigError if there are none."""
+    blocks = [m for m in model.modules() if isinstance(m, tuple(classes)) and m is not model]
+    if not blocks:
+        counts: dict[str, int] = {}
+        for m in model.modules():
+            name = f"{type(m).__module__}.{type(m).__qualname__}"
+            counts[name] = counts.get(name, 0) + 1
+        repeated = [n for n, c in sorted(counts.items(), key=lambda kv: -kv[1]) if c > 1 and not n.startswith("torch.")]
+        hint = f" Repeated classes in this model: {', '.join(repeated[:5])}." if repeated else ""
+        raise ConfigError(
+            f"{field} = {[c.__qualname__ for c in classes]}: the model {type(model).__name__} contains none of them.{hint} "
+            "Name the class of the model's repeated blocks (e.g. a transformer layer)."
+        )
+    return blocks
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2: every configured block, then the whole network, wrapped with ``fully_shard`` over all devices.
+
+    Parameters, gradients and optimizer state are split across ranks; a block's parameters
+    are gathered just for its forward and backward. ``LitModel.configure_model`` calls
+    ``shard``; any LightningModule can call it from its own ``configure_model``.
+    """
+
+    def __init__(
+        self,
+        block_classes: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: bool = False,
+        save_distributed_checkpoint: bool = True,
+        **kwargs,
+    ):
+        """Configure FSDP2.
+
+        Args:
+            block_classes: Import paths of the block classes to shard one by one (e.g. a transformer layer);
+                empty: the network is sharded as one unit.
+            reshard_after_forward: Free gathered parameters after each block's forward (less memory, one more all-gather).
+            activation_checkpointing: Recompute each block's activations in the backward pass instead of storing them.
+            save_distributed_checkpoint: Each rank saves its shard (a folder); false gathers one file on rank 0.
+        """
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.block_classes = import_classes(block_classes or [], "trainer.strategy.init_args.block_classes")
+        self.reshard_after_forward = reshard_after_forward
+        self.activation_checkpointing = activation_checkpointing
+
+    def setup_environment(self) -> None:
+        # Pure data parallelism over every device of every node: one data-parallel dimension.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def shard(self, net: nn.Module) -> None:
+        """Apply activation checkpointing (if asked) and ``fully_shard`` to the blocks, then to ``net``."""
+        from torch.distributed.fsdp import fully_shard
+
+        if getattr(net, "_lit_dist_sharded", False):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        blocks = find_blocks(net, self.block_classes, "trainer.strategy.init_args.block_classes") if self.block_classes else []
+        if self.activation_checkpointing and blocks:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+            )
+
+            apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, tuple(self.block_classes)))
+            blocks = find_blocks(net, self.block_classes, "trainer.strategy.init_args.block_classes")
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(net, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        net._lit_dist_sharded = True
+
+
+class FSDPStrategy(LightningFSDPStrategy):
+    """Lightning's FSDP (FSDP1), with the wrap and activation-checkpointing policies given as class paths."""
+
+    def __init__(
+        self,
+        block_classes: list[str] | None = None,
+        activation_checkpointing: bool = False,
+        sharding_strategy: str = "FULL_SHARD",
+        state_dict_type: str = "sharded",
+        **kwargs,
+    ):
+        """Configure FSDP1.
+
+        Args:
+            block_classes: Import paths of the block classes each wrapped in its own FSDP unit.
+            activation_checkpointing: Recompute the blocks' activations in the backward pass.
+            sharding_strategy: FULL_SHARD (params, grads, optimizer state) or SHARD_GRAD_OP (grads, optimizer state).
+            state_dict_type: sharded (each rank saves its shard, a folder) or full (one file gathered on rank 0).
+        """
+        classes = set(import_classes(block_classes or [], "trainer.strategy.init_args.block_classes"))
+        if sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
+            raise ConfigError(f"trainer.strategy.init_args.sharding_strategy = {sharding_strategy!r}: use FULL_SHARD "
+                              "or SHARD_GRAD_OP")
+        super().__init__(auto_wrap_policy=classes or None,
+                         activation_checkpointing_policy=classes if activation_checkpointing and classes else None,
+                         sharding_strategy=sharding_strategy, state_dict_type=state_dict_type, **kwargs)
+
+
+def strategy_name(strategy) -> str:
+    """A short lowercase name for a strategy given as a string, a class_path namespace or an instance."""
+    if strategy is None:
+        return "auto"
+    if isinstance(strategy, str):
+        return strategy.lower()
+    class_path = getattr(strategy, "class_path", None) or f"{type(strategy).__module__}.{type(strategy).__name__}"
+    return class_path.lower()
+
+
+def check_strategy(trainer_config, cuda_available: bool | None = None) -> list[str]:
+    """Problems with the strategy that would only surface after processes started (or as a hang)."""
+    name = strategy_name(trainer_config.strategy)
+    accelerator = str(trainer_config.accelerator).lower()
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    problems = []
+    on_cpu = accelerator == "cpu" or (accelerator in ("auto", "none") and not cuda)
+    if "deepspeed" in name:
+        if on_cpu:
+            problems.append(f"trainer.strategy = {name!r} needs CUDA GPUs and this machine has none (accelerator "
+                            f"{accelerator!r}). On CPU use ddp or lit_dist.strategies.FSDP2Strategy (configs/fsdp2.yaml).")
+        if importlib.util.find_spec("deepspeed") is None:
+            problems.append(f"trainer.strategy = {name!r} but DeepSpeed is not installed. Install it with "
+                            "`pip install --no-build-isolation deepspeed` (bash .ci/setup does).")
+    fsdp1 = name == "fsdp" or name.endswith(("strategies.fsdpstrategy", "fsdp.fsdpstrategy"))
+    if fsdp1 and on_cpu:
+        problems.append(f"trainer.strategy = {name!r} (FSDP1) needs CUDA GPUs and this machine has none. On CPU use "
+                        "lit_dist.strategies.FSDP2Strategy (configs/fsdp2.yaml), which shards over gloo.")
+    return problems
+
+
+def _init_args(strategy) -> dict:
+    args = getattr(strategy, "init_args", None)
+    return dict(vars(args)) if args is not None and not isinstance(args, dict) else dict(args or {})
+
+
+def check_deepspeed(config, world_size: int) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of a DeepSpeed run: its JSON vs the Trainer's values, offload vs optimizer, ZeRO-3."""
+    import json
+
+    name = strategy_name(config.trainer.strategy)
+    if "deepspeed" not in name:
+        return [], []
+    args = _init_args(config.trainer.strategy)
+    ds = args.get("config")
+    if isinstance(ds, str):
+        try:
+            with open(ds) as f:
+                ds = json.load(f)
+        except (OSError, ValueError) as exc:
+            return [f"trainer.strategy.init_args.config = {ds!r}: cannot read it as JSON ({exc})"], []
+    ds = ds or {}
+    zero = ds.get("zero_optimization", {})
+    stage = zero.get("stage", args.get("stage", 2))
+    problems, warnings = [], []
+    per_device = getattr(getattr(config.data, "init_args", config.data), "batch_size_per_device", None)
+    accumulate = int(config.trainer.accumulate_grad_batches or 1)
+    ours = {"train_micro_batch_size_per_gpu": per_device, "gradient_accumulation_steps": accumulate,
+            "gradient_clipping": config.trainer.gradient_clip_val}
+    for key, value in ours.items():
+        if key in ds and value is not None and ds[key] != value:
+            problems.append(f"DeepSpeed config {key} = {ds[key]} but the run says {value} "
+                            f"({'data.batch_size_per_device' if 'micro' in key else 'trainer.' + ('accumulate_grad_batches' if 'accum' in key else 'gradient_clip_val')}). "
+                            "Remove it from the JSON (lit-dist fills it in) or make both the same.")
+    if "train_batch_size" in ds and per_device:
+        expected = per_device * world_size * accumulate
+        if ds["train_batch_size"] != expected:
+            problems.append(f"DeepSpeed config train_batch_size = {ds['train_batch_size']}, but data.batch_size_per_device "
+                            f"x world size x trainer.accumulate_grad_batches = {per_device} x {world_size} x {accumulate} = "
+                            f"{expected}. Remove train_batch_size from the JSON or make it {expected}.")
+    offload = args.get("offload_optimizer") or zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
+    optimizer = getattr(getattr(config.model, "init_args", config.model), "optimizer", None)
+    optimizer_path = getattr(optimizer, "class_path", "") or ""
+    if offload and "deepspeed" not in optimizer_path.lower():
+        problems.append(f"optimizer offload needs DeepSpeed's CPU optimizer, but model.optimizer is {optimizer_path!r}. "
+                        "Set model.optimizer.class_path: deepspeed.ops.adam.DeepSpeedCPUAdam.")
+    if stage == 3:
+        warnings.append("ZeRO-3: parameters are partitioned, so validation runs sharded and checkpoints are folders of "
+                        "shards; lit-dist writes a consolidated model.pt at the end (lit-dist export converts any checkpoint).")
+    return problems, warnings

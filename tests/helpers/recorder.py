@@ -1,0 +1,22 @@
+"""Callbacks the tests add to real `lit-dist fit` runs (`--trainer.callbacks+=tests.helpers.recorder.LossRecorder`)."""
+
+import json
+import os
+
+from lightning.pytorch import Callback
+
+
+class LossRecorder(Callback):
+    """Writes every training step's loss of this rank to ``{run dir}/losses-rank{N}.json`` at the end."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module):
+        run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, f"losses-rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(self.losses, f)
