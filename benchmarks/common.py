@@ -55,3 +55,35 @@ def parse_bench(output: str) -> dict:
         if line.startswith("BENCH "):
             return json.loads(line[len("BENCH "):])
     raise RuntimeError("no BENCH line in output:\n" + output[-3000:])
+
+
+class StateMemory(Callback):
+    """Prints ``BENCH {...}`` with this rank's bytes of parameters, gradients and optimizer state.
+
+    Counted from the tensors each rank holds (local shards under FSDP), at the end of a step,
+    when all three exist at once, and the largest over the steps.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.peak = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
+
+    @staticmethod
+    def _local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        params = [self._local(p) for p in pl_module.parameters()]
+        grads = [self._local(p.grad) for p in pl_module.parameters() if p.grad is not None]
+        states = [self._local(v) for opt in trainer.optimizers for s in opt.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor)]
+        sizes = {name: sum(t.numel() * t.element_size() for t in ts)
+                 for name, ts in (("params", params), ("grads", grads), ("optimizer", states))}
+        sizes["total"] = sum(sizes.values())
+        if sizes["total"] > self.peak["total"]:
+            self.peak = sizes
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            params = sum(p.numel() for p in pl_module.parameters())  # a DTensor's numel is the global one
+            print("BENCH " + json.dumps({**self.peak, "num_params": params}), flush=True)

@@ -34,8 +34,11 @@ def single(tmp_path_factory, demo_data):
     return run(tmp_path_factory.mktemp("single"), demo_data, "single", 1, 16)
 
 
-@pytest.mark.parametrize("strategy", [["--trainer.strategy", "ddp"], ["--config", str(CONFIGS / "fsdp2.yaml")]],
-                         ids=["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", [
+    ["--trainer.strategy", "ddp"],
+    ["--config", str(CONFIGS / "fsdp2.yaml")],
+    ["--config", str(CONFIGS / "fsdp2.yaml"), "--trainer.strategy.init_args.activation_checkpointing", "true"],
+], ids=["ddp", "fsdp2", "fsdp2-activation-checkpointing"])
 def test_two_processes_follow_the_single_process_loss_curve(strategy, single, tmp_path, demo_data):
     _, reference = single
     run_dir, losses = run(tmp_path, demo_data, "two", 2, 8, *strategy)

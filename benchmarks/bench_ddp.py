@@ -1,0 +1,48 @@
+"""lit-dist DDP on 2 CPU processes vs a plain PyTorch DDP script under torchrun: steps/s.
+
+Same model (SimpleCNN), same in-memory data, batch 64 per process, AdamW, gloo, one
+thread per process in both (torchrun's and Lightning's default for 2 processes on 2
+cores); runs alternate. Target (issue 4): ratio >= 0.95.
+
+    .venv/bin/python -m benchmarks.bench_ddp [--repeats 3] [--steps 300]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+from benchmarks.bench_fit_overhead import run
+from benchmarks.common import machine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    bindir = os.path.dirname(sys.executable)
+    tmp = tempfile.mkdtemp(prefix="lit-dist-bench-")
+    lit = [os.path.join(bindir, "lit-dist"), "fit", "--trainer.devices", "2", "--config", "configs/ddp.yaml",
+           "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false",
+           "--trainer.enable_model_summary", "false", "--trainer.callbacks+=benchmarks.common.StepTimer",
+           "--run.root_dir", tmp, "--model.net", "lit_dist.models.SimpleCNN", "--model.net.num_classes", "4",
+           "--model.optimizer.class_path", "torch.optim.AdamW", "--model.optimizer.init_args.lr", "0.001",
+           "--data", "benchmarks.common.InMemoryData"]
+    plain = [os.path.join(bindir, "torchrun"), "--nproc_per_node", "2", "-m", "benchmarks.plain_ddp", str(args.steps)]
+    results: dict[str, list[float]] = {"lit-dist": [], "torchrun": []}
+    for i in range(args.repeats):
+        order = (("lit-dist", lit), ("torchrun", plain)) if i % 2 == 0 else (("torchrun", plain), ("lit-dist", lit))
+        for name, cmd in order:
+            results[name].append(run(cmd)["steps_per_s"])
+    med = {k: statistics.median(v) for k, v in results.items()}
+    ratio = med["lit-dist"] / med["torchrun"]
+    print(f"machine: {machine()}; DDP over gloo, 2 processes, {args.steps} steps, median of {args.repeats}")
+    for name, value in med.items():
+        print(f"  {name:9s} steps/s {value:8.2f}")
+    print(f"ratio (lit-dist / torchrun): {ratio:.3f}  (target >= 0.95) {'OK' if ratio >= 0.95 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""FSDP2 vs DDP on 2 CPU processes: parameter + gradient + optimizer memory per rank, ~56 M-parameter model.
+
+Both run `lit-dist fit` on the same model, data and optimizer (AdamW); the count is of
+the tensors each rank holds at the end of a step. Target (issue 4): FSDP2 <= 0.6x DDP.
+
+    .venv/bin/python -m benchmarks.bench_fsdp2_memory
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+from benchmarks.common import machine, parse_bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(strategy: list[str], root: str) -> dict:
+    cmd = [os.path.join(os.path.dirname(sys.executable), "lit-dist"), "fit", "--trainer.devices", "2",
+           "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary",
+           "false", "--trainer.enable_checkpointing", "false", "--export.filename", "null",
+           "--trainer.callbacks+=benchmarks.common.StateMemory", "--run.root_dir", root,
+           "--model.net", "benchmarks.models.MLPClassifier", "--data", "benchmarks.common.InMemoryData",
+           "--data.num_samples", "256", "--data.batch_size_per_device", "8", *strategy]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-4000:])
+    return parse_bench(out.stdout)
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="lit-dist-bench-") as root:
+        ddp = run(["--trainer.strategy", "ddp"], root)
+        fsdp2 = run(["--trainer.strategy", "lit_dist.strategies.FSDP2Strategy",
+                     "--trainer.strategy.block_classes", "[benchmarks.models.MLPBlock]"], root)
+    mib = 2**20
+    print(f"machine: {machine()}; {ddp['num_params'] / 1e6:.1f} M parameters, AdamW, 2 processes (gloo)")
+    for name, r in (("DDP", ddp), ("FSDP2", fsdp2)):
+        print(f"  {name:6s} per rank: params {r['params'] / mib:7.1f} MiB  grads {r['grads'] / mib:7.1f} MiB  "
+              f"optimizer {r['optimizer'] / mib:7.1f} MiB  total {r['total'] / mib:7.1f} MiB")
+    ratio = fsdp2["total"] / ddp["total"]
+    print(f"ratio FSDP2 / DDP: {ratio:.2f}  (target <= 0.6) {'OK' if ratio <= 0.6 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

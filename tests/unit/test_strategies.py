@@ -1,0 +1,53 @@
+from types import SimpleNamespace
+
+import pytest
+
+from lit_dist.errors import ConfigError
+from lit_dist.models import SimpleCNN
+from lit_dist.strategies import check_strategy, find_blocks, import_classes
+
+
+def test_block_classes_that_do_not_import_are_all_named():
+    with pytest.raises(ConfigError) as err:
+        import_classes(["lit_dist.models.NoSuchBlock", "nope.Block", "lit_dist.models.ConvStage"], "block_classes")
+    assert "NoSuchBlock" in str(err.value) and "nope.Block" in str(err.value) and "2 problems" in str(err.value)
+
+
+def test_block_classes_the_model_lacks_get_suggestions():
+    from torch import nn
+
+    class Block(nn.Module):
+        pass
+
+    with pytest.raises(ConfigError, match="contains none of them"):
+        find_blocks(SimpleCNN(), [Block], "trainer.strategy.init_args.block_classes")
+    assert len(find_blocks(SimpleCNN(channels=(8, 8, 8)), import_classes(["lit_dist.models.ConvStage"], "x"), "x")) == 3
+
+
+@pytest.mark.parametrize("strategy,needle", [("deepspeed", "needs CUDA"), ("fsdp", "FSDP1"),
+                                             (SimpleNamespace(class_path="lit_dist.strategies.FSDPStrategy"), "FSDP1")])
+def test_gpu_only_strategies_are_refused_on_cpu_with_the_alternative(strategy, needle):
+    problems = check_strategy(SimpleNamespace(strategy=strategy, accelerator="auto"), cuda_available=False)
+    assert problems and needle in problems[0] and ("ddp" in problems[0] or "FSDP2" in problems[0])
+    assert not check_strategy(SimpleNamespace(strategy="ddp", accelerator="auto"), cuda_available=False)
+    assert not check_strategy(SimpleNamespace(strategy="fsdp", accelerator="gpu"), cuda_available=True)
+
+
+def test_fsdp1_and_deepspeed_presets_construct_on_cpu():
+    import json
+
+    import yaml
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from lit_dist.models import ConvStage
+    from lit_dist.strategies import FSDPStrategy
+    from tests.conftest import CONFIGS
+
+    fsdp_args = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())["trainer"]["strategy"]["init_args"]
+    fsdp = FSDPStrategy(**fsdp_args)
+    assert fsdp.kwargs["auto_wrap_policy"]._module_classes == {ConvStage} and fsdp.sharding_strategy.name == "FULL_SHARD"
+    for name in ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3_offload"):
+        path = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["trainer"]["strategy"]["init_args"]["config"]
+        expected = json.loads((CONFIGS.parent / path).read_text())["zero_optimization"]["stage"]
+        strategy = DeepSpeedStrategy(config=str(CONFIGS.parent / path))
+        assert strategy.config["zero_optimization"]["stage"] == expected
