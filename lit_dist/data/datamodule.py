@@ -304,10 +304,16 @@ class BucketDataModule(LightningDataModule):
         # Every row of the table. Lightning splits the batches of one sampler among ranks itself when predicting.
         return self._eval_loader("predict", distributed=False)
 
-    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+    def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        # Counted while the batch is still on the host: reading a count from the GPU would sync every step.
         self.monitor.count(batch)
+        return batch
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         image = batch["image"].permute(0, 3, 1, 2).float()  # (B, H, W, C) uint8 -> (B, C, H, W) float, 0..255
-        batch["image"] = (image - self.mean.to(image.device)) / self.std.to(image.device)
+        if self.mean.device != image.device:  # moved once, not every batch
+            self.mean, self.std = self.mean.to(image.device), self.std.to(image.device)
+        batch["image"] = (image - self.mean) / self.std
         return batch
 
     # -- resume -----------------------------------------------------------------------------
