@@ -81,3 +81,18 @@ def test_demo_dataset_is_generated_once_with_a_table_that_reads_back(tmp_path):
     dm.prepare_data()
     assert path.stat().st_mtime_ns == mtime, "an existing dataset must not be regenerated"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".demo-")], "temporary folder left behind"
+
+
+def test_a_decompression_bomb_is_refused_and_replaced(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "imgs"
+    root.mkdir()
+    Image.new("RGB", (400, 400)).save(root / "big.png")  # 160,000 pixels: a "bomb" under a 50,000 limit
+    Image.new("RGB", (100, 100), (255, 0, 0)).save(root / "small.png")
+    names = pa.array(["big.png", "small.png"])
+    dataset = BucketImageDataset(str(root), names, np.array([[32, 32]]), np.zeros(2, dtype=np.int64),
+                                 max_image_pixels=50_000)
+    batch = dataset[(0, [0], 1.0)]
+    assert batch["row"].tolist() == [1] and batch["bad_samples"] == 1
+    assert batch["image"][0, 0, 0].tolist() == [255, 0, 0]
