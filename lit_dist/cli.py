@@ -72,34 +72,14 @@ class LitDistCLI(LightningCLI):
         run = RunConfig(**vars(config.run))
         config.run.run_id, path = run_dir(run)
         config.trainer.default_root_dir = path
-        if config.trainer.precision is None:
-            config.trainer.precision = default_precision(config.trainer)
-        self._check_strategy(config)
+        from lit_dist.strategies import prepare_strategy
+
+        prepare_strategy(config)
         if config.trainer.logger in (None, True):
             config.trainer.logger = Namespace(
                 class_path="lightning.pytorch.loggers.TensorBoardLogger",
                 init_args=Namespace(save_dir=run.root_dir, name=run.name, version=config.run.run_id, default_hp_metric=False),
             )
-
-    def _check_strategy(self, config) -> None:
-        """Strategy misconfigurations, found before any process or process group starts."""
-        from lightning.pytorch.utilities import rank_zero_warn
-
-        from lit_dist.errors import ConfigError
-        from lit_dist.plan import world_size
-        from lit_dist.strategies import check_deepspeed, check_strategy
-
-        problems = check_strategy(config.trainer)
-        deepspeed_problems, warnings = check_deepspeed(config, world_size(config.trainer)[0])
-        for warning in warnings:
-            rank_zero_warn(f"lit-dist: {warning}")
-        ConfigError.collect(problems + deepspeed_problems)
-        init_args = getattr(config.trainer.strategy, "init_args", None)
-        per_device = getattr(getattr(config.data, "init_args", config.data), "batch_size_per_device", None)
-        if init_args is not None and getattr(init_args, "logging_batch_size_per_gpu", None) == "auto" and per_device:
-            # DeepSpeed's micro batch: Lightning would guess it from the loader's batch_size, which our
-            # loaders leave unset (the dataset returns whole batches).
-            init_args.logging_batch_size_per_gpu = per_device
 
     def after_fit(self) -> None:
         self._report("fit")
@@ -165,14 +145,6 @@ def _dispatch(argv: list[str]) -> int | None:
         CLI(index, args=argv[1:], prog="lit-dist index", exit_on_error=False)
         return int(ExitCode.OK)
     return None
-
-
-def default_precision(trainer_config) -> str:
-    """bf16-mixed on GPUs that support it (unless the accelerator is forced to CPU), else 32-true."""
-    import torch
-
-    on_gpu = str(trainer_config.accelerator).lower() in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-    return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
 
 
 def _silence_lightning_noise() -> None:

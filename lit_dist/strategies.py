@@ -224,3 +224,35 @@ def check_deepspeed(config, world_size: int) -> tuple[list[str], list[str]]:
         warnings.append("ZeRO-3: parameters are partitioned, so validation runs sharded and checkpoints are folders of "
                         "shards; lit-dist writes a consolidated model.pt at the end (lit-dist export converts any checkpoint).")
     return problems, warnings
+
+
+def default_precision(trainer_config, cuda_available: bool | None = None) -> str:
+    """bf16-mixed on GPUs that support it (unless the accelerator is forced to CPU), else 32-true."""
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    on_gpu = str(trainer_config.accelerator).lower() in ("auto", "gpu", "cuda") and cuda
+    return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+
+
+def prepare_strategy(config) -> None:
+    """Fill strategy-dependent defaults into a parsed run config and refuse what cannot work.
+
+    Runs before any class is built, so a wrong strategy fails in seconds with exit code 2,
+    never as a hang after processes started.
+    """
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from lit_dist.plan import world_size
+
+    if config.trainer.precision is None:
+        config.trainer.precision = default_precision(config.trainer)
+    problems = check_strategy(config.trainer)
+    deepspeed_problems, warnings = check_deepspeed(config, world_size(config.trainer)[0])
+    for warning in warnings:
+        rank_zero_warn(f"lit-dist: {warning}")
+    ConfigError.collect(problems + deepspeed_problems)
+    init_args = getattr(config.trainer.strategy, "init_args", None)
+    per_device = getattr(getattr(config.data, "init_args", config.data), "batch_size_per_device", None)
+    if init_args is not None and getattr(init_args, "logging_batch_size_per_gpu", None) == "auto" and per_device:
+        # DeepSpeed's micro batch: Lightning would guess it from the loader's batch_size, which
+        # lit-dist's loaders leave unset (the dataset returns whole batches).
+        init_args.logging_batch_size_per_gpu = per_device
