@@ -1,0 +1,311 @@
+"""``GPUCircuitBreaker``: every rank watches its own GPU through NVML and the whole run stops on a fault.
+
+    trainer:
+      callbacks:
+        - class_path: lit_dist.callbacks.circuit_breaker.GPUCircuitBreaker
+          init_args: {poll_interval_s: 5, margin_c: 5}
+
+A background thread polls this rank's device every ``poll_interval_s`` (no NVML call
+on the training thread) and trips on: a new volatile uncorrectable ECC error beyond
+``ecc_threshold``, pending retired pages or a failed row remap, a temperature within
+``margin_c`` of the GPU's shutdown threshold, or hardware-slowdown / power-brake
+throttling that persists for ``throttle_polls`` polls. Thermal slowdown alone is a
+``gpu.warning``. When it trips, the rank that saw it sends ``gpu.fault`` (with the GPU's
+index, UUID, name, PCI id and readings) to every WebhookNotifier sink; every
+``check_every_n_steps`` steps all ranks agree through one small all-reduce and stop
+together; the process exits with code 10 (README, "Exit codes") so Slurm or Kubernetes
+can drain the node.
+
+It logs (from the thread's last reading, on logging steps):
+
+===========================  ==================================================
+``gpu/temperature_c``        GPU temperature
+``gpu/power_w``              board power draw
+``gpu/memory_used_gb``       device memory in use (all processes)
+``gpu/utilization``          percent of time a kernel ran
+``gpu/ecc_uncorrectable``    volatile uncorrectable ECC errors since start
+===========================  ==================================================
+
+Without NVML or a GPU it logs one info line and does nothing.
+"""
+
+import importlib
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_dist.errors import ExitCode, LitDistError
+
+log = logging.getLogger(__name__)
+
+HW_SLOWDOWN, THERMAL_SLOWDOWN, POWER_BRAKE = 0x8, 0x40, 0x80
+# Messages of CUDA errors that mean the hardware or driver is at fault (not the program).
+HARDWARE_ERRORS = ("illegal memory access", "an illegal instruction", "uncorrectable ecc", "ecc error",
+                   "unspecified launch failure", "launch failure", "xid", "gpu has fallen off the bus",
+                   "hardware stack error")
+NOT_HARDWARE = {"out of memory": "lower data.batch_size_per_device, enable activation checkpointing or shard the model",
+                "nccl": "a rank stopped answering or the network failed; check the other ranks' logs and NCCL_DEBUG=INFO",
+                "timed out": "a collective timed out: a rank is stuck or dead; check the other ranks' logs"}
+
+
+class GPUFault(LitDistError):
+    """A rank's GPU is faulty; every rank stops with the GPU-fault exit code."""
+
+    exit_code = ExitCode.GPU_FAULT
+
+
+@dataclass
+class Reading:
+    """One poll of one GPU; None where the GPU does not support a query."""
+
+    index: int
+    uuid: str = ""
+    name: str = ""
+    pci: str = ""
+    temperature_c: float | None = None
+    shutdown_c: float | None = None
+    power_w: float | None = None
+    memory_used_gb: float | None = None
+    utilization: float | None = None
+    ecc_uncorrectable: int | None = None
+    retired_pending: bool | None = None
+    remap_failed: bool | None = None
+    throttle: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def read(nvml, index: int) -> Reading:
+    """Query NVML for device ``index``."""
+    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    r = Reading(index=index)
+
+    def get(fn, *args):
+        try:
+            return fn(handle, *args)
+        except nvml.NVMLError:
+            return None
+
+    r.uuid = _text(get(nvml.nvmlDeviceGetUUID))
+    r.name = _text(get(nvml.nvmlDeviceGetName))
+    pci = get(nvml.nvmlDeviceGetPciInfo)
+    r.pci = _text(getattr(pci, "busId", "")) if pci is not None else ""
+    r.temperature_c = get(nvml.nvmlDeviceGetTemperature, nvml.NVML_TEMPERATURE_GPU)
+    r.shutdown_c = get(nvml.nvmlDeviceGetTemperatureThreshold, nvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN)
+    power = get(nvml.nvmlDeviceGetPowerUsage)
+    r.power_w = power / 1000 if power is not None else None
+    memory = get(nvml.nvmlDeviceGetMemoryInfo)
+    r.memory_used_gb = memory.used / 1e9 if memory is not None else None
+    utilization = get(nvml.nvmlDeviceGetUtilizationRates)
+    r.utilization = utilization.gpu if utilization is not None else None
+    r.ecc_uncorrectable = get(nvml.nvmlDeviceGetTotalEccErrors, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
+    pending = get(nvml.nvmlDeviceGetRetiredPagesPendingStatus)
+    r.retired_pending = bool(pending) if pending is not None else None
+    remap = get(nvml.nvmlDeviceGetRemappedRows)  # (corrected, uncorrected, pending, failure)
+    r.remap_failed = bool(remap[3]) if remap is not None else None
+    r.throttle = get(nvml.nvmlDeviceGetCurrentClocksThrottleReasons) or 0
+    return r
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+class Judge:
+    """Turns successive readings of one GPU into faults and warnings (pure logic, no NVML)."""
+
+    def __init__(self, ecc_threshold: int, margin_c: float, throttle_polls: int):
+        self.ecc_threshold = ecc_threshold
+        self.margin_c = margin_c
+        self.throttle_polls = throttle_polls
+        self.ecc_baseline: int | None = None
+        self.throttled_polls = 0
+
+    def __call__(self, r: Reading) -> tuple[str | None, str | None]:
+        """(fault reason, warning reason) for a reading."""
+        if r.ecc_uncorrectable is not None:
+            if self.ecc_baseline is None:
+                self.ecc_baseline = r.ecc_uncorrectable
+            new = r.ecc_uncorrectable - self.ecc_baseline
+            if new > self.ecc_threshold:
+                return f"{new} new volatile uncorrectable ECC errors", None
+        if r.retired_pending:
+            return "retired pages pending (a reset is needed)", None
+        if r.remap_failed:
+            return "row remapping failed", None
+        if r.temperature_c is not None and r.shutdown_c and r.temperature_c >= r.shutdown_c - self.margin_c:
+            return f"temperature {r.temperature_c} C within {self.margin_c} C of shutdown ({r.shutdown_c} C)", None
+        if r.throttle & (HW_SLOWDOWN | POWER_BRAKE):
+            self.throttled_polls += 1
+            if self.throttled_polls >= self.throttle_polls:
+                kind = "hardware slowdown" if r.throttle & HW_SLOWDOWN else "power-brake slowdown"
+                return f"{kind} for {self.throttled_polls} consecutive polls", None
+        else:
+            self.throttled_polls = 0
+        if r.throttle & THERMAL_SLOWDOWN:
+            return None, "thermal slowdown"
+        return None, None
+
+
+class GPUCircuitBreaker(Callback):
+    """Stops every rank together when any rank's GPU turns faulty; see the module docstring."""
+
+    def __init__(
+        self,
+        poll_interval_s: float = 5.0,
+        check_every_n_steps: int = 10,
+        ecc_threshold: int = 0,
+        margin_c: float = 5.0,
+        throttle_polls: int = 3,
+        save_checkpoint: bool = False,
+        nvml_module: str = "pynvml",
+        device_index: int | None = None,
+    ):
+        """Configure the breaker.
+
+        Args:
+            poll_interval_s: Seconds between NVML polls of this rank's GPU (on a background thread).
+            check_every_n_steps: Steps between the all-reduces in which all ranks agree to stop.
+            ecc_threshold: New volatile uncorrectable ECC errors tolerated before tripping (0: none).
+            margin_c: Trip when the temperature is within this many degrees C of the GPU's shutdown threshold.
+            throttle_polls: Polls in a row of hardware-slowdown or power-brake throttling before tripping.
+            save_checkpoint: Save a checkpoint before stopping (off by default: the hardware is suspect).
+            nvml_module: Module providing the pynvml API (a test double can stand in).
+            device_index: NVML index of the GPU to watch; default: this rank's CUDA device.
+        """
+        self.poll_interval_s = poll_interval_s
+        self.check_every_n_steps = check_every_n_steps
+        self.judge = Judge(ecc_threshold, margin_c, throttle_polls)
+        self.save_checkpoint = save_checkpoint
+        self.nvml_module = nvml_module
+        self.device_index = device_index
+        self.enabled = False
+        self.index: int | None = None
+        self.last: Reading | None = None
+        self.fault: str | None = None
+        self._warned: set[str] = set()
+        self._reported = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or self._thread is not None:
+            return
+        index = self.device_index if self.device_index is not None else _nvml_index(trainer)
+        self.index = index
+        if index is None:
+            rank_zero_info("lit-dist: GPUCircuitBreaker disabled: no CUDA device")
+            return
+        try:
+            self.nvml = importlib.import_module(self.nvml_module)
+            self.nvml.nvmlInit()
+            self.last = read(self.nvml, index)
+        except Exception as exc:  # no driver, no library, no permission: the run goes on unwatched
+            rank_zero_info(f"lit-dist: GPUCircuitBreaker disabled: NVML unavailable ({exc})")
+            return
+        self.enabled = True
+        self._thread = threading.Thread(target=self._poll, name="lit-dist-gpu-breaker", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_interval_s):
+            try:
+                reading = read(self.nvml, self.index)
+            except Exception as exc:  # NVML itself failing is a symptom too
+                self.fault = self.fault or f"NVML query failed: {exc}"
+                continue
+            self.last = reading
+            fault, warning = self.judge(reading)
+            if fault and not self.fault:
+                self.fault = fault
+            if warning and warning not in self._warned:
+                self._warned.add(warning)
+                self._webhook("gpu.warning", "warning", f"GPU {self.index} {warning}", warning)
+
+    # -- every step boundary --------------------------------------------------------------------
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # The agreement runs on every rank (enabled or not) at the same steps, decided by the step
+        # counter alone: a collective that only some ranks reach would hang the others.
+        if self.fault and not self._reported:
+            self._reported = True  # the rank that saw it reports it, first
+            self._webhook("gpu.fault", "critical", f"GPU {self.index} fault", self.fault)
+        if trainer.global_step % self.check_every_n_steps == 0:
+            flag = torch.tensor([1.0 if self.fault else 0.0], device=pl_module.device)
+            if float(trainer.strategy.reduce(flag, reduce_op="max")) > 0:
+                self._stop_run(trainer)
+        if self.last is not None and trainer.global_step % trainer.log_every_n_steps == 0:
+            values = {"gpu/temperature_c": self.last.temperature_c, "gpu/power_w": self.last.power_w,
+                      "gpu/memory_used_gb": self.last.memory_used_gb, "gpu/utilization": self.last.utilization,
+                      "gpu/ecc_uncorrectable": self.last.ecc_uncorrectable}
+            for name, value in values.items():
+                if value is not None:
+                    pl_module.log(name, float(value), rank_zero_only=True)
+
+    def _stop_run(self, trainer) -> None:
+        if self.save_checkpoint:
+            path = os.path.join(trainer.default_root_dir, "checkpoints", f"gpu-fault-step={trainer.global_step}.ckpt")
+            trainer.save_checkpoint(path)
+        self._flush_webhooks(trainer)
+        where = f"this rank's GPU {self.index}: {self.fault}" if self.fault else "another rank's GPU"
+        raise GPUFault(f"GPU fault on {where}; all ranks stopped at step {trainer.global_step}. Drain this node "
+                       "and requeue elsewhere.")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        text = str(exception).lower()
+        if isinstance(exception, GPUFault) or not isinstance(exception, RuntimeError):
+            return
+        for needle, hint in NOT_HARDWARE.items():
+            if needle in text:
+                log.error("lit-dist: not a GPU fault (%s): %s", needle, hint)
+                return
+        if any(needle in text for needle in HARDWARE_ERRORS):
+            self.fault = f"CUDA error: {str(exception)[:300]}"
+            self._webhook("gpu.fault", "critical", f"GPU {self.index} fault", self.fault)
+            self._flush_webhooks(trainer)
+            raise GPUFault(f"GPU fault: {self.fault}") from exception
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._stop.set()
+
+    # -- webhooks ---------------------------------------------------------------------------
+
+    def _webhook(self, type_: str, severity: str, title: str, reason: str) -> None:
+        data = {"reason": reason}
+        if self.last is not None:
+            data.update({k: v for k, v in asdict(self.last).items() if v is not None and k != "extra"})
+        log.warning("lit-dist: %s: %s", title, reason)
+        for notifier in self._notifiers:
+            notifier.notify(type_, severity, title, reason, data)
+
+    def _flush_webhooks(self, trainer) -> None:
+        for notifier in self._notifiers:
+            notifier.flush()
+
+    @property
+    def _notifiers(self) -> list:
+        from lit_dist.callbacks.webhooks import WebhookNotifier
+
+        trainer = getattr(self, "_trainer", None)
+        return [c for c in (trainer.callbacks if trainer else []) if isinstance(c, WebhookNotifier)]
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._trainer = trainer
+
+
+def _nvml_index(trainer) -> int | None:
+    """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES may renumber them for this process."""
+    device = trainer.strategy.root_device
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    entries = [v.strip() for v in visible.split(",") if v.strip()]
+    if entries and all(v.isdigit() for v in entries) and device.index < len(entries):
+        return int(entries[device.index])
+    return device.index

@@ -1,0 +1,40 @@
+"""Two real DDP processes; only rank 1's (test double) GPU faults. Both stop together with exit code 10."""
+
+import json
+import time
+
+import pytest
+
+from lit_dist.errors import ExitCode
+from tests.conftest import CONFIGS, lit_dist
+from tests.helpers.http_server import Recorder
+
+pytestmark = pytest.mark.distributed
+
+
+def test_a_fault_on_rank_1_stops_both_ranks_and_rank_1_reports_it(tmp_path, demo_data):
+    server = Recorder()
+    state = tmp_path / "nvml.json"
+    state.write_text(json.dumps({"0": {}, "1": {"ecc_after_polls": 3, "ecc": 2}}))
+    started = time.monotonic()
+    try:
+        out = lit_dist(
+            "fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
+            "--data.batch_size_per_device", "8", "--data.num_workers", "0", "--trainer.devices", "2",
+            "--trainer.strategy", "ddp", "--trainer.max_epochs", "1000", "--run.root_dir", str(tmp_path),
+            "--trainer.enable_progress_bar", "false",
+            "--trainer.callbacks+=lit_dist.callbacks.circuit_breaker.GPUCircuitBreaker",
+            "--trainer.callbacks.poll_interval_s", "0.2", "--trainer.callbacks.check_every_n_steps", "5",
+            "--trainer.callbacks.nvml_module", "tests.helpers.fake_nvml", "--trainer.callbacks.device_index", "0",
+            "--trainer.callbacks+=lit_dist.callbacks.webhooks.WebhookNotifier",
+            "--trainer.callbacks.sinks", '[{"kind": "raw", "url_env": "HOOK_URL"}]',
+            env={"FAKE_NVML_STATE": str(state), "HOOK_URL": server.url("/hook")}, timeout=180)
+        elapsed = time.monotonic() - started
+        faults = [e for e in server.bodies("/hook") if e["type"] == "gpu.fault"]
+    finally:
+        server.shutdown()
+    assert out.returncode == ExitCode.GPU_FAULT, out.stderr[-3000:]
+    assert elapsed < 120
+    assert len(faults) == 1 and faults[0]["rank"] == 1 and faults[0]["severity"] == "critical"
+    assert faults[0]["data"]["uuid"] == "GPU-fake-1" and "ECC" in faults[0]["data"]["reason"]
+    assert "GPU fault on another rank's GPU" in out.stderr or "GPU fault on this rank's GPU" in out.stderr
