@@ -148,3 +148,13 @@ def test_validate_test_and_predict_use_a_checkpoint(tmp_path, demo_data):
 
     table = pq.read_table(tmp_path / "quickstart" / "predict" / "predictions-rank0.parquet")
     assert table.num_rows == 400 and sorted(table.column("row").to_pylist()) == list(range(400))
+
+
+@pytest.mark.parametrize("stack", sorted((CONFIGS.parent / "callbacks").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_callback_stack_loads(stack, tmp_path, demo_data, monkeypatch):
+    monkeypatch.setenv("DISCORD_WEBHOOK_URL", "http://127.0.0.1:9/discord")
+    monkeypatch.setenv("ORCHESTRATOR_URL", "http://127.0.0.1:9/raw")
+    cli = LitDistCLI(args=["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.callbacks", str(stack),
+                           "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path)], run=False)
+    names = {type(c).__name__ for c in cli.trainer.callbacks}
+    assert {"GPUCircuitBreaker", "WebhookNotifier"} <= names
