@@ -24,10 +24,17 @@ class NVMLError(Exception):
     pass
 
 
+_cache: dict = {}
+
+
 def _state() -> dict:
-    with open(os.environ["FAKE_NVML_STATE"]) as f:
-        everything = json.load(f)
-    return everything.get(os.environ.get("LOCAL_RANK", "0"), {})
+    # Re-read only when the file changes: the double should cost no more than NVML itself.
+    path = os.environ["FAKE_NVML_STATE"]
+    mtime = os.stat(path).st_mtime_ns
+    if _cache.get("mtime") != mtime:
+        with open(path) as f:
+            _cache.update(mtime=mtime, data=json.load(f))
+    return _cache["data"].get(os.environ.get("LOCAL_RANK", "0"), {})
 
 
 def nvmlInit():
