@@ -44,3 +44,34 @@ def test_without_nvml_the_breaker_says_so_once_and_training_goes_on(tmp_path, de
                    env={"FAKE_NVML_STATE": str(state)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert (out.stdout + out.stderr).count("GPUCircuitBreaker disabled: NVML unavailable") == 1
+
+
+def test_cuda_errors_are_classified_hardware_or_not():
+    import pytest
+
+    from lit_dist.callbacks.circuit_breaker import GPUCircuitBreaker, GPUFault
+
+    breaker = GPUCircuitBreaker()
+    trainer = type("T", (), {"callbacks": []})()
+    with pytest.raises(GPUFault, match="illegal memory access"):
+        breaker.on_exception(trainer, None, RuntimeError("CUDA error: an illegal memory access was encountered"))
+    for benign in ("CUDA out of memory. Tried to allocate 2.00 GiB", "NCCL watchdog thread terminated: timed out"):
+        assert breaker.on_exception(trainer, None, RuntimeError(benign)) is None
+
+
+def test_sinks_can_come_from_a_webhooks_json_file(tmp_path, monkeypatch):
+    import json
+
+    import pytest
+
+    from lit_dist.callbacks.webhooks import WebhookNotifier
+    from lit_dist.errors import ConfigError
+
+    monkeypatch.setenv("HOOK_A", "http://127.0.0.1:9/a")
+    path = tmp_path / "webhooks.json"
+    path.write_text(json.dumps([{"kind": "discord", "url_env": "HOOK_A", "min_severity": "error"}]))
+    notifier = WebhookNotifier(sinks_file=str(path))
+    assert [(s.kind, s.min_severity) for s, _ in notifier._sinks] == [("discord", "error")]
+    path.write_text(json.dumps([{"kind": "carrier-pigeon", "url_env": "HOOK_A"}]))
+    with pytest.raises(ConfigError, match="kind = 'carrier-pigeon'"):
+        WebhookNotifier(sinks_file=str(path))
