@@ -195,6 +195,7 @@ class GPUCircuitBreaker(Callback):
     # -- setup ------------------------------------------------------------------------------
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer  # to find the WebhookNotifier among the trainer's callbacks
         if stage != "fit" or self._thread is not None:
             return
         index = self.device_index if self.device_index is not None else _nvml_index(trainer)
@@ -252,7 +253,7 @@ class GPUCircuitBreaker(Callback):
         if self.save_checkpoint:
             path = os.path.join(trainer.default_root_dir, "checkpoints", f"gpu-fault-step={trainer.global_step}.ckpt")
             trainer.save_checkpoint(path)
-        self._flush_webhooks(trainer)
+        self._flush_webhooks()
         where = f"this rank's GPU {self.index}: {self.fault}" if self.fault else "another rank's GPU"
         raise GPUFault(f"GPU fault on {where}; all ranks stopped at step {trainer.global_step}. Drain this node "
                        "and requeue elsewhere.")
@@ -268,7 +269,7 @@ class GPUCircuitBreaker(Callback):
         if any(needle in text for needle in HARDWARE_ERRORS):
             self.fault = f"CUDA error: {str(exception)[:300]}"
             self._webhook("gpu.fault", "critical", f"GPU {self.index} fault", self.fault)
-            self._flush_webhooks(trainer)
+            self._flush_webhooks()
             raise GPUFault(f"GPU fault: {self.fault}") from exception
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -284,7 +285,7 @@ class GPUCircuitBreaker(Callback):
         for notifier in self._notifiers:
             notifier.notify(type_, severity, title, reason, data)
 
-    def _flush_webhooks(self, trainer) -> None:
+    def _flush_webhooks(self) -> None:
         for notifier in self._notifiers:
             notifier.flush()
 
@@ -293,10 +294,7 @@ class GPUCircuitBreaker(Callback):
         from lit_dist.callbacks.webhooks import WebhookNotifier
 
         trainer = getattr(self, "_trainer", None)
-        return [c for c in (trainer.callbacks if trainer else []) if isinstance(c, WebhookNotifier)]
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        self._trainer = trainer
+        return [c for c in getattr(trainer, "callbacks", []) if isinstance(c, WebhookNotifier)]
 
 
 def _nvml_index(trainer) -> int | None:
