@@ -38,10 +38,10 @@ class BucketImageDataset(torch.utils.data.Dataset):
         self.url = root
         self.storage_options = storage_options or {}
         self._fs, self._fs_pid, self.root = None, None, None
-        self._open_fs()
         self.filenames = filenames  # pyarrow string array: one shared buffer, no per-row Python objects
         self.extra = extra or {}  # name -> pyarrow array passed through to batches
         self.max_image_pixels = max_image_pixels
+        self._open_fs()  # also resolves self.root
         self.bucket_sizes = bucket_sizes  # (K, 2) of (width, height)
         self.bucket_ids = bucket_ids
         self.labels = labels
@@ -64,6 +64,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         if self._fs_pid != os.getpid():
             self._fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
             self.root, self._fs_pid = root.rstrip("/"), os.getpid()
+            _guard_against_bombs(self.max_image_pixels)
         return self._fs
 
     def __getstate__(self) -> dict:
@@ -121,17 +122,6 @@ class BucketImageDataset(torch.utils.data.Dataset):
         return f"{self.root}/{self.filenames[int(index)].as_py()}"
 
     def _decode(self, index: int, width: int, height: int, epoch: int) -> np.ndarray:
-        import warnings
-
-        from PIL import Image
-
-        Image.MAX_IMAGE_PIXELS = self.max_image_pixels
-        with warnings.catch_warnings():
-            # Between 1x and 2x the limit Pillow only warns; refuse those too.
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            return self._decode_file(index, width, height, epoch)
-
-    def _decode_file(self, index: int, width: int, height: int, epoch: int) -> np.ndarray:
         from PIL import Image, ImageOps
 
         with self._open_fs().open(self._path(index), "rb") as f:
@@ -150,6 +140,20 @@ class BucketImageDataset(torch.utils.data.Dataset):
         else:
             left, top = free_x // 2, free_y // 2
         return np.asarray(img.crop((left, top, left + width, top + height)))  # (H, W, C)
+
+
+def _guard_against_bombs(max_pixels: int | None) -> None:
+    """Pillow's decompression-bomb limit for this process, set once rather than per image.
+
+    Pillow raises above 2x the limit and only warns between 1x and 2x; the warning is made
+    an error too, so such an image is replaced like any unreadable one.
+    """
+    import warnings
+
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    warnings.simplefilter("error", Image.DecompressionBombWarning)
 
 
 def _column_batch(values):

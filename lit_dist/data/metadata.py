@@ -211,6 +211,14 @@ def _path_and_size_checks(filenames, widths, heights) -> tuple[np.ndarray, BadRo
     return bad, report
 
 
+def _offsets(chunk) -> np.ndarray:
+    """The byte offsets of a pyarrow string array's values (n + 1 of them), as a view of its buffer."""
+    import pyarrow as pa
+
+    width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
+    return np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1]
+
+
 def _rows_containing(strings, needles: tuple[bytes, ...]) -> np.ndarray:
     """True for each string that contains any of ``needles``.
 
@@ -224,8 +232,7 @@ def _rows_containing(strings, needles: tuple[bytes, ...]) -> np.ndarray:
     done = 0
     for chunk in strings.chunks if isinstance(strings, pa.ChunkedArray) else [strings]:
         if len(chunk):
-            width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
-            offsets = np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1]
+            offsets = _offsets(chunk)
             data = chunk.buffers()[2].to_pybytes() if chunk.buffers()[2] else b""
             first, last = int(offsets[0]), int(offsets[-1])
             ends = offsets[1:]
@@ -306,10 +313,8 @@ def _splits(column, source: str) -> np.ndarray:
 
 def _hash_unit(chunk) -> np.ndarray:
     """A number in [0, 1) per string of a pyarrow string array, from its bytes alone."""
-    import pyarrow as pa
 
-    width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
-    offsets = np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1].astype(np.int64)
+    offsets = _offsets(chunk).astype(np.int64)
     data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].astype(np.uint64)
     starts = offsets[:-1] - offsets[0]
     position = np.arange(len(data), dtype=np.uint64) - np.repeat(starts, np.diff(offsets)).astype(np.uint64)
