@@ -58,12 +58,22 @@ class LitDistCLI(LightningCLI):
         )
 
     def add_arguments_to_parser(self, parser) -> None:
+        from lit_dist.callbacks.checkpoint import Checkpointing
         from lit_dist.callbacks.export import ExportModel
 
         parser.add_class_arguments(RunConfig, "run")
+        parser.add_lightning_class_args(Checkpointing, "checkpoint")
         parser.add_lightning_class_args(ExportModel, "export")
         if self.subclass_mode_model:
             parser.set_defaults({"model": {"class_path": MODEL}, "data": {"class_path": DATA}})
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs):
+        # LightningCLI adds `ckpt_path` from Trainer.fit's signature (default None) after
+        # add_arguments_to_parser runs, so its default can only be changed here.
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if "ckpt_path" in self._subcommand_method_arguments[subcommand]:
+            parser.set_defaults(ckpt_path="auto")
+        return parser
 
     def before_instantiate_classes(self) -> None:
         from jsonargparse import Namespace
@@ -75,11 +85,29 @@ class LitDistCLI(LightningCLI):
         from lit_dist.strategies import prepare_strategy
 
         prepare_strategy(config)
+        if config.trainer.enable_checkpointing is False:
+            # lit-dist's Checkpointing is a Lightning Checkpoint, which Lightning refuses next to this flag.
+            config.trainer.enable_checkpointing = True
+            config.checkpoint.every_n_steps = config.checkpoint.every_n_epochs = config.checkpoint.every_n_minutes = None
+            config.checkpoint.save_last = False
         if config.trainer.logger in (None, True):
             config.trainer.logger = Namespace(
                 class_path="lightning.pytorch.loggers.TensorBoardLogger",
                 init_args=Namespace(save_dir=run.root_dir, name=run.name, version=config.run.run_id, default_hp_metric=False),
             )
+
+    def _resolve_ckpt_path(self) -> None:
+        """``ckpt_path: auto`` (the default) -> the newest usable checkpoint of this run, or None."""
+        from lit_dist.callbacks.checkpoint import Checkpointing
+
+        arguments = self.config_init[self.subcommand]
+        checkpointing = next((c for c in self.trainer.callbacks if isinstance(c, Checkpointing)), None)
+        if checkpointing is not None:
+            arguments["ckpt_path"] = checkpointing.resolve_ckpt_path(self.trainer, arguments.get("ckpt_path"))
+        elif arguments.get("ckpt_path") == "auto":
+            arguments["ckpt_path"] = None
+
+    before_fit = before_validate = before_test = before_predict = _resolve_ckpt_path
 
     def after_fit(self) -> None:
         self._report("fit")
@@ -111,6 +139,11 @@ class LitDistCLI(LightningCLI):
         shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "no validation metrics"
         print(f"\nlit-dist: {what} finished: {shown}")
         print(f"  run directory: {run_path}")
+        from lit_dist.callbacks.checkpoint import Checkpointing
+
+        checkpointing = next((c for c in trainer.callbacks if isinstance(c, Checkpointing)), None)
+        if what == "fit" and checkpointing is not None and checkpointing.last_path:
+            print(f"  checkpoint:    {checkpointing.last_path}")
         print(f"  watch it:      tensorboard --logdir {run_path}\n", flush=True)
 
 

@@ -38,6 +38,12 @@ class ConfigError(LitDistError, ValueError):
             raise cls(f"{len(problems)} problems in the configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
+class CheckpointError(LitDistError):
+    """A checkpoint cannot be written or none of the existing ones can be loaded."""
+
+    exit_code = ExitCode.FAILURE
+
+
 class DataError(LitDistError):
     """The dataset cannot be used as configured."""
 

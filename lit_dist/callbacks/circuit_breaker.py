@@ -251,8 +251,14 @@ class GPUCircuitBreaker(Callback):
 
     def _stop_run(self, trainer) -> None:
         if self.save_checkpoint:
-            path = os.path.join(trainer.default_root_dir, "checkpoints", f"gpu-fault-step={trainer.global_step}.ckpt")
-            trainer.save_checkpoint(path)
+            from lit_dist.callbacks.checkpoint import Checkpointing
+
+            checkpointing = next((c for c in trainer.callbacks if isinstance(c, Checkpointing)), None)
+            if checkpointing is not None:
+                checkpointing.save(trainer, "gpu-fault")
+            else:
+                trainer.save_checkpoint(os.path.join(trainer.default_root_dir, "checkpoints",
+                                                     f"gpu-fault-step={trainer.global_step}.ckpt"))
         self._flush_webhooks()
         where = f"this rank's GPU {self.index}: {self.fault}" if self.fault else "another rank's GPU"
         raise GPUFault(f"GPU fault on {where}; all ranks stopped at step {trainer.global_step}. Drain this node "

@@ -11,7 +11,8 @@ Example (YAML; URLs and tokens come from environment variables or files, never f
               - {kind: raw, url_env: ORCHESTRATOR_URL, auth_header_env: ORCHESTRATOR_TOKEN}
 
 Events (schema 1, see README.md): ``run.started``, ``run.progress`` (rate limited),
-``validation.finished``, ``checkpoint.saved``, ``run.finished``, ``run.failed`` from rank 0;
+``validation.finished``, ``run.finished``, ``run.failed`` from rank 0; ``checkpoint.saved`` from
+rank 0 through ``Checkpointing`` once the checkpoint is complete;
 ``gpu.warning``, ``gpu.fault``, ``run.preempted`` through ``notify`` from whichever rank saw them.
 
 Delivery runs on a background thread with a bounded queue: a post has a total deadline,
@@ -173,11 +174,6 @@ class WebhookNotifier(Callback):
         if trainer.is_global_zero and not trainer.sanity_checking:
             self.notify("validation.finished", "info", f"Validation at step {trainer.global_step}", "",
                         {"step": trainer.global_step, "epoch": trainer.current_epoch, **_metrics(trainer, "val/")})
-
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        if trainer.is_global_zero:
-            self.notify("checkpoint.saved", "info", f"Checkpoint at step {trainer.global_step}", "",
-                        {"step": trainer.global_step, "epoch": trainer.current_epoch})
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:

@@ -270,7 +270,8 @@ class BucketDataModule(LightningDataModule):
         return per_group, source, rows, problems
 
     def _loader(self, split: str, sampler) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(
+        return _SeededLoader(
+            self.seed,
             self._splits[split],
             sampler=sampler,
             batch_size=None,  # the dataset returns whole batches
@@ -321,7 +322,7 @@ class BucketDataModule(LightningDataModule):
     def state_dict(self) -> dict:
         """The training position, saved in checkpoints: (epoch, batches done in it)."""
         trainer = self.trainer
-        if trainer is None or not trainer.training:
+        if trainer is None or trainer.state.fn != "fit":  # also during fit's validation runs
             return {}
         # `processed`, not `completed`: a checkpoint written in on_train_batch_end runs before Lightning
         # counts that batch as completed, and that batch must not be trained on twice.
@@ -331,3 +332,21 @@ class BucketDataModule(LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position without replaying the loader: the sampler skips what was done."""
         self._resume = dict(state) if state else None
+
+
+class _SeededLoader(torch.utils.data.DataLoader):
+    """A DataLoader that draws its worker seeds from (seed, epoch), not from the global RNG.
+
+    A plain DataLoader takes one number from torch's global generator each time it starts an
+    epoch. A run resumed mid-epoch starts its loader at another point of that stream than the
+    uninterrupted run did, which would shift every random draw after it (dropout, noise).
+    """
+
+    def __init__(self, seed: int, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seed = seed
+
+    def __iter__(self):
+        epoch = getattr(self.sampler, "epoch", 0)
+        self.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return super().__iter__()

@@ -20,3 +20,14 @@ class LossRecorder(Callback):
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, f"losses-rank{trainer.global_rank}.json"), "w") as f:
             json.dump(self.losses, f)
+
+
+class StopAtStep(Callback):
+    """Stops training after optimizer step ``step`` on every rank, as a preempted run would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True

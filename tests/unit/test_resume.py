@@ -2,36 +2,74 @@
 
 import torch
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lit_dist.callbacks.checkpoint import Checkpointing
+from lit_dist.ckpt.store import STATE
 from lit_dist.data.datamodule import BucketDataModule
-from lit_dist.models import SimpleCNN
 from lit_dist.module import LitModel
+from tests.helpers.nets import DropoutCNN
+from tests.helpers.recorder import StopAtStep
 
 
-def run(tmp_path, demo_data, max_steps, ckpt_path=None, every=None):
+def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True):
     seed_everything(0)
-    model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    model = LitModel(DropoutCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
-    callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1)] if every else []
+    checkpointing = Checkpointing(dirpath=str(root / "ckpt"), every_n_epochs=None)
+    if not restore_rng:
+        checkpointing.on_load_checkpoint = lambda *args: None
     trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      enable_checkpointing=bool(every), callbacks=callbacks, num_sanity_val_steps=0,
-                      limit_val_batches=0, default_root_dir=tmp_path)
+                      callbacks=[checkpointing] + ([StopAtStep(stop)] if stop else []),
+                      num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root)
+    ckpt_path = checkpointing.resolve_ckpt_path(trainer, "auto") if resume else None
     trainer.fit(model, dm, ckpt_path=ckpt_path)
-    return model, trainer
+    return model, trainer, checkpointing
+
+
+def steps_per_epoch(demo_data) -> int:
+    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
+    dm.setup("fit")
+    return len(dm.train_sampler(1, 0))
 
 
 def test_resume_mid_epoch_matches_an_uninterrupted_run_bitwise(tmp_path, demo_data):
-    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
-    dm.setup("fit")
-    per_epoch = len(dm.train_sampler(1, 0))
+    per_epoch = steps_per_epoch(demo_data)
     stop, end = per_epoch // 2, per_epoch + per_epoch // 3  # stop mid-epoch 0, end inside epoch 1
-    straight, trainer = run(tmp_path / "a", demo_data, max_steps=end)
+    straight, trainer, _ = run(tmp_path / "a", demo_data, max_steps=end)
     assert trainer.global_step == end > per_epoch, "the run should cross an epoch boundary"
-    run(tmp_path / "b", demo_data, max_steps=stop, every=stop)
-    ckpt = next((tmp_path / "b").glob(f"*step={stop}*.ckpt"))
-    saved = torch.load(ckpt, weights_only=False)
+    _, stopped, checkpointing = run(tmp_path / "b", demo_data, max_steps=end, stop=stop)
+    assert stopped.global_step == stop
+    saved = torch.load(f"{checkpointing.last_path}/{STATE}", weights_only=True)  # no pickled objects needed
     assert saved["BucketDataModule"] == {"epoch": 0, "batches_done": stop}
-    resumed, _ = run(tmp_path / "c", demo_data, max_steps=end, ckpt_path=str(ckpt))
+    assert len(saved["lit_dist"]["rng"]) == 1
+    resumed, _, again = run(tmp_path / "b", demo_data, max_steps=end, resume=True)
+    assert again.resumed_from == f"step-{stop:09d}"
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), f"{name} differs after resume"
+
+
+def test_without_the_saved_random_state_dropout_would_differ(tmp_path, demo_data):
+    # The counter-check of the test above: the RNG state in the checkpoint is what makes it pass.
+    per_epoch = steps_per_epoch(demo_data)
+    stop, end = per_epoch // 2, per_epoch // 2 + 5
+    straight, _, _ = run(tmp_path / "a", demo_data, max_steps=end)
+    run(tmp_path / "b", demo_data, max_steps=end, stop=stop)
+    resumed, _, _ = run(tmp_path / "b", demo_data, max_steps=end, resume=True, restore_rng=False)
+    assert any(not torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True))
+
+
+def test_loader_worker_seeds_follow_seed_and_epoch_not_the_global_rng(demo_data):
+    # A resumed run reaches an epoch's loader at another point of the global RNG stream than the
+    # uninterrupted run; worker seeds (random augmentation in workers) must not depend on it.
+    def base_seed(global_seed: int, epoch: int) -> int:
+        dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, seed=7)
+        dm.setup("fit")
+        loader = dm.train_dataloader()
+        loader.sampler.set_epoch(epoch)
+        torch.manual_seed(global_seed)
+        before = torch.get_rng_state()
+        seed = iter(loader)._base_seed
+        assert torch.equal(before, torch.get_rng_state()), "starting an epoch must not draw from the global RNG"
+        return seed
+
+    assert base_seed(1, epoch=3) == base_seed(2, epoch=3) != base_seed(1, epoch=4)

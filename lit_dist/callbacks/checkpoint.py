@@ -1,0 +1,469 @@
+"""``Checkpointing``: checkpoints that survive kills, rotate safely, live on disk or S3, and resume exactly.
+
+Enabled in every run (the CLI's ``checkpoint`` group). It is a Lightning ``Checkpoint``, so
+Lightning adds no ``ModelCheckpoint`` of its own and runs this callback after the others (it sees
+their ``should_stop``). Layout of ``dirpath`` (default ``{run_dir}/checkpoints``)::
+
+    step-000001200/state.ckpt      Lightning's checkpoint (a folder for sharded strategies)
+    step-000001200/COMPLETE.json   the marker with the manifest (step, epoch, files, sizes, sha256)
+    latest                         name of the newest complete checkpoint
+
+- Rank 0 writes the file for DDP and single-device runs; with sharded strategies (FSDP, FSDP2,
+  DeepSpeed) every rank writes its part and rank 0 writes the marker once all are done. A
+  checkpoint counts only once its marker exists (see ``lit_dist.ckpt.store``).
+- Saves happen every ``every_n_steps`` optimizer steps, every ``every_n_epochs`` epochs, every
+  ``every_n_minutes`` (all ranks agree through one small all-reduce every ``check_every_n_steps``
+  steps: their clocks differ), after each validation when ``monitor`` is set, at the end of
+  ``fit`` (``save_last``) and on request (``save()``: preemption, GPU faults).
+- Rotation runs after a save succeeded: it keeps the newest ``keep_last_n``, the best
+  ``keep_best_k`` by ``monitor`` and always the checkpoint this run resumed from.
+- ``async_save: true`` copies the state aside (a fraction of a second) and writes it on a thread
+  (for strategies where rank 0 writes the whole checkpoint); the next save waits for it.
+- Every RNG of every rank (torch, CUDA, numpy, Python) is saved and restored, with the model,
+  optimizer, schedulers, loop counters and the data position, so a resumed run is the same run.
+- ``ckpt_path: auto`` (the CLI default) resumes from the newest checkpoint whose files match its
+  manifest; damaged ones are reported and skipped.
+
+Events: ``checkpoint.saved`` through a ``WebhookNotifier`` (step, epoch, path, bytes, seconds).
+
+Example::
+
+    checkpoint:
+      every_n_minutes: 30       # preemptible cluster
+      keep_last_n: 3
+      monitor: val/loss
+      async_save: true
+"""
+
+import logging
+import os
+import socket
+import time
+import uuid
+
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lit_dist.ckpt.files import FileEntry, hash_file, write_bytes_atomically
+from lit_dist.ckpt.io import AtomicCheckpointIO
+from lit_dist.ckpt.snapshot import Background, Snapshot
+from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
+from lit_dist.errors import CheckpointError, ConfigError
+from lit_dist.run import RUN_ID_ENV
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointing(Checkpoint):
+    """Atomic, rotated, verified checkpoints on a local/shared filesystem or an object store; exact resume."""
+
+    def __init__(
+        self,
+        dirpath: str = "{run_dir}/checkpoints",
+        every_n_steps: int | None = None,
+        every_n_epochs: int | None = 1,
+        every_n_minutes: float | None = None,
+        save_last: bool = True,
+        keep_last_n: int = 3,
+        monitor: str | None = None,
+        mode: str = "min",
+        keep_best_k: int = 1,
+        async_save: bool = False,
+        verify_checksums: bool = True,
+        check_every_n_steps: int = 10,
+        storage_options: dict | None = None,
+    ):
+        """Checkpoint settings.
+
+        Args:
+            dirpath: Folder of the checkpoints: a path or an fsspec URL (s3://bucket/ckpt/{run_id}); {run_dir} and {run_id} are filled in.
+            every_n_steps: Save every this many optimizer steps; null: not by steps.
+            every_n_epochs: Save at the end of every this many epochs; null: not by epochs.
+            every_n_minutes: Save when this many minutes passed since the last save (preemptible clusters); null: not by time.
+            save_last: Save when fit ends.
+            keep_last_n: Newest checkpoints kept by rotation (at least 2, so a damaged newest one has a fallback).
+            monitor: Metric to rank checkpoints by (e.g. val/loss); with it, a checkpoint is saved after each validation.
+            mode: 'min' or 'max': which values of monitor are better.
+            keep_best_k: Best checkpoints by monitor kept on top of the newest keep_last_n.
+            async_save: Write checkpoints on a background thread after a quick copy of the state (DDP and single device).
+            verify_checksums: Check every file's sha256 against the manifest before resuming (not just its size).
+            check_every_n_steps: Steps between the all-reduces that agree on every_n_minutes saves.
+            storage_options: fsspec options for a remote dirpath (endpoint_url, region...); credentials come from the environment.
+        """
+        problems = []
+        if keep_last_n < 2:
+            problems.append(f"checkpoint.keep_last_n: {keep_last_n} must be at least 2 so that a damaged newest "
+                            "checkpoint has a fallback; set keep_last_n: 2 or more")
+        for field, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs),
+                             ("every_n_minutes", every_n_minutes), ("check_every_n_steps", check_every_n_steps)):
+            if value is not None and value <= 0:
+                problems.append(f"checkpoint.{field}: {value} must be positive; use null to turn it off")
+        if mode not in ("min", "max"):
+            problems.append(f"checkpoint.mode: {mode!r} must be 'min' or 'max'")
+        if keep_best_k < 0:
+            problems.append(f"checkpoint.keep_best_k: {keep_best_k} must be 0 or more")
+        ConfigError.collect(problems)
+        self.dirpath = dirpath
+        self.every_n_steps = every_n_steps
+        self.every_n_epochs = every_n_epochs
+        self.every_n_minutes = every_n_minutes
+        self.save_last = save_last
+        self.keep_last_n = keep_last_n
+        self.monitor = monitor
+        self.mode = mode
+        self.keep_best_k = keep_best_k
+        self.async_save = async_save
+        self.verify_checksums = verify_checksums
+        self.check_every_n_steps = check_every_n_steps
+        self.storage_options = storage_options or {}
+        self.resumed_from: str | None = None  # never deleted by rotation
+        self.last_path: str | None = None  # the newest complete checkpoint this run wrote
+        self._store: CheckpointStore | None = None
+        self._io = AtomicCheckpointIO(self.storage_options)
+        self._snapshot = Snapshot()
+        self._background = Background()
+        self._last_saved_step = -1
+        self._last_seen_step = -1
+        self._last_save_time = time.monotonic()
+        self._rng: list | None = None
+
+    def __repr__(self) -> str:
+        return f"Checkpointing(dirpath={self.dirpath!r})"
+
+    # -- where ------------------------------------------------------------------------------
+
+    def store(self, trainer) -> CheckpointStore:
+        if self._store is None:
+            run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+            run_id = os.environ.get(RUN_ID_ENV) or os.path.basename(os.path.normpath(run_dir))
+            url = self.dirpath.format(run_dir=run_dir, run_id=run_id)
+            self._store = CheckpointStore(url, self.storage_options)
+        return self._store
+
+    # -- resume (called by the CLI on every process, before the process group exists) ----------
+
+    def resolve_ckpt_path(self, trainer, ckpt_path: str | None) -> str | None:
+        """What to load: ``auto`` is the newest usable checkpoint or None; a checkpoint folder is verified."""
+        if ckpt_path is None:
+            return None
+        if ckpt_path != "auto":
+            return self._explicit(ckpt_path)
+        store = self.store(trainer)
+        name, skipped = store.find_valid(self.verify_checksums)
+        for bad, problem in skipped:
+            rank_zero_warn(f"lit-dist: checkpoint {store.url_of(bad)} is unusable: {problem}; "
+                           + (f"falling back to {name}" if name else "trying an older one"))
+        if name is None:
+            if skipped:
+                raise CheckpointError(
+                    f"ckpt_path: auto found {len(skipped)} checkpoints in {store.url} and none is usable "
+                    f"({'; '.join(f'{n}: {p}' for n, p in skipped)}). Move them away or pass ckpt_path: null to start "
+                    "over, or ckpt_path: <folder> to load one anyway.")
+            rank_zero_info(f"lit-dist: no checkpoint in {store.url} yet: starting from the beginning")
+            return None
+        self.resumed_from = name
+        rank_zero_info(f"lit-dist: resuming from {store.url_of(name)} (step {store.manifest(name).get('step')})")
+        return store.url_of(name, STATE)
+
+    def _explicit(self, ckpt_path: str) -> str:
+        """A lit-dist checkpoint folder (or its state.ckpt) is verified first; anything else goes to Lightning as is."""
+        path = ckpt_path.rstrip("/")
+        folder = path.rsplit("/", 1)[0] if path.endswith("/" + STATE) else path
+        parent, _, name = folder.rpartition("/")
+        store = CheckpointStore(parent or ".", self.storage_options)
+        if not store.fs.exists(store.path(name, MARKER)):
+            return ckpt_path
+        problem = store.problem(name, self.verify_checksums)
+        if problem:
+            raise CheckpointError(f"ckpt_path: {ckpt_path} is unusable: {problem}. Pick another checkpoint, or "
+                                  "ckpt_path: auto for the newest usable one.")
+        if self._store is not None and store.url == self._store.url:
+            self.resumed_from = name
+        return store.url_of(name, STATE)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        store = self.store(trainer)
+        if not store.local and not _rank_zero_writes(trainer.strategy):
+            raise ConfigError(f"checkpoint.dirpath: {store.url} is an object store, where the sharded checkpoints of "
+                              f"{type(trainer.strategy).__name__} cannot be written; use a shared filesystem path, or "
+                              "a strategy whose checkpoint rank 0 writes (ddp; fsdp2 with save_distributed_checkpoint: false)")
+        if self.async_save and not _rank_zero_writes(trainer.strategy):
+            rank_zero_warn(f"lit-dist: checkpoint.async_save is for strategies where rank 0 writes the whole checkpoint; "
+                           f"{type(trainer.strategy).__name__} saves synchronously")
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO stays
+            trainer.strategy.checkpoint_io = self._io
+        if stage != "fit":
+            return
+        if trainer.is_global_zero:
+            store.fs.makedirs(store.root, exist_ok=True)
+            for leftover in store.clean():
+                log.info("lit-dist: removed %s, left by an interrupted save", leftover)
+        if trainer.world_size > 1:
+            self._check_shared(trainer)
+        self._last_save_time = time.monotonic()
+
+    def _check_shared(self, trainer) -> None:
+        """Every rank must see what rank 0 writes, and resume from the same checkpoint; else fail before training."""
+        store = self._store
+        token = trainer.strategy.broadcast(uuid.uuid4().hex)
+        probe = store.path(f".probe-{token}")
+        if trainer.is_global_zero:
+            write_bytes_atomically(store.fs, probe, token.encode())
+        trainer.strategy.barrier("lit-dist-checkpoint-probe")
+        try:
+            with store.fs.open(probe, "rb") as f:
+                sees = f.read().decode() == token
+        except OSError:
+            sees = False
+        reports = _all_gather_object(trainer, (trainer.global_rank, socket.gethostname(), sees, self.resumed_from))
+        if trainer.is_global_zero:
+            store.fs.rm(probe)
+        blind = [f"rank {rank} on {host}" for rank, host, seen, _ in reports if not seen]
+        if blind:
+            raise ConfigError(
+                f"checkpoint.dirpath: {store.url} is not shared: {', '.join(blind)} cannot see the files rank 0 writes "
+                "there. Runs on several nodes need run.root_dir and checkpoint.dirpath on a shared filesystem (NFS, "
+                "Lustre) or an object store (checkpoint.dirpath: s3://bucket/prefix/{run_id}).")
+        sources = {source for *_, source in reports}
+        if len(sources) > 1:
+            raise CheckpointError("ranks would resume from different checkpoints ("
+                                  + ", ".join(f"rank {r}: {s or 'none'}" for r, _, _, s in reports)
+                                  + f"); the checkpoint folder {store.url} changed while the run started. Start it again.")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # As late as possible: whatever ran since the checkpoint was loaded must not shift the streams.
+        if self._rng is not None:
+            if len(self._rng) == trainer.world_size:
+                _set_rng_state(self._rng[trainer.global_rank])
+            else:
+                rank_zero_warn(f"lit-dist: the checkpoint holds random states of {len(self._rng)} ranks and this run "
+                               f"has {trainer.world_size}: random streams restart from the seed")
+            self._rng = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._last_seen_step:  # accumulating gradients: no optimizer step since the last batch
+            return
+        self._last_seen_step = step
+        reason = "steps" if self.every_n_steps and step % self.every_n_steps == 0 else None
+        if self.save_last and (trainer.should_stop or 0 < trainer.max_steps <= step):
+            reason = "end"  # here, not in on_train_end: there the loops already count the epoch as done
+        if self.every_n_minutes and step % self.check_every_n_steps == 0:
+            late = time.monotonic() - self._last_save_time >= self.every_n_minutes * 60
+            if _agree_any(trainer, late):
+                reason = reason or "time"
+        if reason:
+            self.save(trainer, reason)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self.monitor or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        # Saved whatever the value: a decision taken from a value only some ranks have would hang the others.
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            rank_zero_warn(f"lit-dist: checkpoint.monitor {self.monitor!r} was not logged; logged metrics are "
+                           f"{sorted(trainer.callback_metrics)}")
+        metric = {"name": self.monitor, "value": None if value is None else float(value)}
+        self.save(trainer, "validation", metric)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            self.save(trainer, "epoch")
+        elif self.save_last and (trainer.should_stop or trainer.current_epoch + 1 >= (trainer.max_epochs or 0) > 0):
+            self.save(trainer, "end")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.save_last:
+            self.save(trainer, "end")  # only if training ended without passing the hooks above
+        self._settle(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Let a save in flight finish: it is complete or absent either way, but complete is better.
+        # No collective here: the other ranks may be anywhere.
+        error = self._background.wait(timeout_s=600)
+        if error is not None:
+            log.error("lit-dist: the background checkpoint save failed too: %s", error)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._background.wait(timeout_s=600)
+
+    # -- state --------------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # Every rank's streams, gathered into the one file rank 0 writes (a collective: every rank gets here).
+        checkpoint["lit_dist"] = {"rng": _all_gather_object(trainer, _rng_state())}
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self._rng = (checkpoint.get("lit_dist") or {}).get("rng")
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, trainer, reason: str, metric: dict | None = None) -> None:
+        """Save a checkpoint of this step now. Call it on every rank at the same step: it holds collectives."""
+        store = self.store(trainer)
+        step = trainer.global_step
+        name = checkpoint_name(step)
+        self._settle(trainer)
+        if step == self._last_saved_step:
+            if metric and trainer.is_global_zero:
+                store.set_metric(name, metric)  # validation right after a step save: same weights
+            return
+        self._last_saved_step = step
+        self._last_save_time = time.monotonic()
+        info = {"step": step, "epoch": trainer.current_epoch, "reason": reason, "world_size": trainer.world_size,
+                "strategy": type(trainer.strategy).__name__, "run_id": os.environ.get(RUN_ID_ENV), "metric": metric}
+        target = "/".join([store.staging(name), STATE]) if store.local else store.url_of(name, STATE)
+        rank_zero_writes = _rank_zero_writes(trainer.strategy)
+        started = time.monotonic()
+        if self.async_save and rank_zero_writes:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            if trainer.is_global_zero:
+                state = self._snapshot.take(checkpoint)
+
+                def write() -> None:
+                    store.begin(name)
+                    self._io.save_checkpoint(state, target)
+                    self._finish(trainer, name, {STATE: self._io.written.pop(target)}, info, started)
+
+                self._background.start(write, name=f"lit-dist-save-{name}")
+            return
+        error = None
+        try:
+            if trainer.is_global_zero:
+                store.begin(name)
+            if not rank_zero_writes:
+                trainer.strategy.barrier("lit-dist-checkpoint-begin")  # the folder is fresh before any rank writes
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            trainer.strategy.save_checkpoint(checkpoint, target)
+        except Exception as exc:  # agreed on below, so that no rank waits for one that gave up
+            error = exc
+        files = self._files(trainer, name, target, rank_zero_writes)
+        if trainer.is_global_zero and error is None:
+            try:
+                self._finish(trainer, name, files, info, started)
+            except Exception as exc:
+                error = exc
+        self._agree_saved(trainer, name, error)
+
+    def _files(self, trainer, name: str, target: str, rank_zero_writes: bool) -> dict[str, FileEntry]:
+        """Every file of the checkpoint with its size and sha256, on rank 0 (collective for sharded strategies)."""
+        written = self._io.written.pop(target, None)
+        files = {STATE: written} if written else {}
+        if rank_zero_writes:
+            if trainer.is_global_zero and not files:  # a CheckpointIO of the user's own wrote it
+                fs, path = self._store.fs, target if self._store.local else self._store.path(name, STATE)
+                files = {STATE: hash_file(fs, path, fsync=True)}
+            return files
+        # Sharded: the strategy wrote files through its own code. Each rank lists the folder (its own files
+        # are surely there), then hashes and fsyncs a share of them.
+        store = self._store
+        staging = store.staging(name)
+        listing = [os.path.relpath(os.path.join(folder, f), staging) for folder, _, names in os.walk(staging) for f in names]
+        everyone = _all_gather_object(trainer, (listing, files))
+        known = {rel: entry for _, theirs in everyone for rel, entry in theirs.items()}
+        todo = sorted({rel for seen, _ in everyone for rel in seen} - set(known) - {MARKER})
+        mine = {rel: hash_file(store.fs, os.path.join(staging, rel), fsync=True)
+                for rel in todo[trainer.global_rank :: trainer.world_size]}
+        for part in _all_gather_object(trainer, mine):
+            known.update(part)
+        return known
+
+    def _finish(self, trainer, name: str, files: dict[str, FileEntry], info: dict, started: float) -> None:
+        """Rank 0, once every rank wrote: marker, rotation, webhook."""
+        store = self._store
+        manifest = store.finish(name, files, info)
+        self.last_path = store.url_of(name)
+        deleted = store.rotate(self.keep_last_n, {name} | ({self.resumed_from} if self.resumed_from else set()),
+                               self.monitor, self.mode, self.keep_best_k)
+        seconds = time.monotonic() - started
+        size = sum(entry.size for entry in files.values())
+        log.info("lit-dist: saved %s (%.1f MB in %.2f s)%s", self.last_path, size / 1e6, seconds,
+                 f"; removed {', '.join(deleted)}" if deleted else "")
+        from lit_dist.callbacks.webhooks import WebhookNotifier
+
+        for notifier in (cb for cb in trainer.callbacks if isinstance(cb, WebhookNotifier)):
+            notifier.notify("checkpoint.saved", "info", f"Checkpoint at step {manifest['step']}", self.last_path,
+                            {"step": manifest["step"], "epoch": manifest["epoch"], "path": self.last_path,
+                             "bytes": size, "seconds": round(seconds, 3), "reason": manifest["reason"]})
+
+    def _settle(self, trainer) -> None:
+        """Wait for the save in flight; every rank learns whether it failed (a collective when saving asynchronously)."""
+        if not self.async_save:
+            return
+        error = self._background.wait()
+        self._agree_saved(trainer, checkpoint_name(self._last_saved_step), error)
+
+    def _agree_saved(self, trainer, name: str, error: BaseException | None) -> None:
+        if _agree_any(trainer, error is not None):
+            where = f": {type(error).__name__}: {error}" if error else " on another rank (see its log)"
+            raise CheckpointError(f"saving checkpoint {name} in {self._store.url} failed{where}") from error
+
+    @property
+    def best_model_path(self) -> str:
+        """The state file of the checkpoint with the best monitored value ('' without one); Lightning's ``ckpt_path='best'``."""
+        name = self._store.best(self.monitor, self.mode) if self.monitor and self._store is not None else None
+        return self._store.url_of(name, STATE) if name else ""
+
+
+def _rank_zero_writes(strategy) -> bool:
+    """Whether rank 0 writes the whole checkpoint (else every rank writes a part)."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    if "deepspeed" in type(strategy).__name__.lower():
+        return False
+    if isinstance(strategy, ModelParallelStrategy):
+        return not strategy._save_distributed_checkpoint
+    if isinstance(strategy, FSDPStrategy):
+        return strategy._state_dict_type == "full"
+    return isinstance(strategy, (DDPStrategy, SingleDeviceStrategy))
+
+
+def _agree_any(trainer, flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank: one small all-reduce (none on a single process)."""
+    if trainer.world_size == 1:
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device=trainer.strategy.root_device)
+    return float(trainer.strategy.reduce(tensor, reduce_op="max")) > 0
+
+
+def _all_gather_object(trainer, obj) -> list:
+    if trainer.world_size == 1:
+        return [obj]
+    gathered = [None] * trainer.world_size
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _rng_state() -> dict:
+    """This process's random streams, in types that ``torch.load(weights_only=True)`` accepts."""
+    import random
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,220 @@
+"""The checkpoint folder of a run: one folder per checkpoint, which counts only once its marker exists.
+
+    {dirpath}/
+      step-000001200/            one checkpoint
+        state.ckpt               Lightning's checkpoint: a file (rank 0 wrote it) or a folder
+                                 (sharded strategies: every rank wrote its part)
+        COMPLETE.json            the marker, written last: step, epoch, every file with size and sha256
+      step-000001500/
+      latest                     name of the newest complete checkpoint, written after its marker
+      .partial-step-000001800/   being written (local filesystems), renamed to step-... when complete
+
+On an object store there is no rename: objects are uploaded to their final keys, the marker last,
+and a folder without a marker is an interrupted save.
+"""
+
+import json
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+from lit_dist.ckpt.files import FileEntry, filesystem, fsync_dir, hash_file, is_local, write_bytes_atomically
+
+MARKER = "COMPLETE.json"
+STATE = "state.ckpt"
+LATEST = "latest"
+PREFIX = "step-"
+PARTIAL = ".partial-"
+TRASH = ".deleting-"
+FORMAT = 1
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:09d}"
+
+
+class CheckpointStore:
+    """Lists, validates, finishes and deletes the checkpoints under ``url`` (local path or fsspec URL)."""
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.url = url.rstrip("/")
+        self.fs, self.root = filesystem(self.url, storage_options)
+        self.local = is_local(self.fs)
+        self._manifests: dict[str, dict] = {}  # complete checkpoints never change (but for their metric)
+
+    # -- paths --------------------------------------------------------------------------------
+
+    def path(self, *parts: str) -> str:
+        """A path on ``self.fs`` below the root."""
+        return "/".join([self.root, *parts])
+
+    def url_of(self, *parts: str) -> str:
+        """What Lightning and torch.load are given: a local path, or a URL with its protocol."""
+        path = self.path(*parts)
+        return path if self.local else self.fs.unstrip_protocol(path)
+
+    def staging(self, name: str) -> str:
+        """Where checkpoint ``name`` is written before it is complete."""
+        return self.path(PARTIAL + name) if self.local else self.path(name)
+
+    # -- writing (rank 0) ----------------------------------------------------------------------
+
+    def begin(self, name: str) -> None:
+        """Make room for checkpoint ``name``: no leftovers of an interrupted save, no stale marker."""
+        if self.local:
+            self._remove_tree(self.staging(name))
+            os.makedirs(self.staging(name), exist_ok=True)
+        elif self.fs.exists(self.path(name, MARKER)):
+            self.delete(name)  # the same step saved again (a rerun): never mix old and new objects
+
+    def finish(self, name: str, files: dict[str, FileEntry], info: dict) -> dict:
+        """Write the marker (after every rank wrote its files), publish the checkpoint, update ``latest``."""
+        manifest = {"format": FORMAT, **info, "created": time.time(),
+                    "files": {rel: asdict(entry) for rel, entry in sorted(files.items())}}
+        staging = self.staging(name)
+        write_bytes_atomically(self.fs, "/".join([staging, MARKER]), json.dumps(manifest, indent=1).encode())
+        if self.local:
+            final = self.path(name)
+            if os.path.exists(final):
+                self._remove_tree(final)
+            os.replace(staging, final)
+            fsync_dir(self.root)
+        self._manifests[name] = manifest
+        write_bytes_atomically(self.fs, self.path(LATEST), (name + "\n").encode())
+        return manifest
+
+    def set_metric(self, name: str, metric: dict) -> None:
+        """Record a monitored value in a complete checkpoint's marker (rewritten atomically)."""
+        manifest = dict(self.manifest(name), metric=metric)
+        write_bytes_atomically(self.fs, self.path(name, MARKER), json.dumps(manifest, indent=1).encode())
+        self._manifests[name] = manifest
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _fresh(self) -> bool:
+        """Whether the root exists, as other processes left it (object-store listings are cached)."""
+        if not self.local:
+            self.fs.invalidate_cache(self.root)
+        return self.fs.exists(self.root)
+
+    def names(self) -> list[str]:
+        """Every checkpoint folder (complete or not), newest first."""
+        if not self._fresh():
+            return []
+        found = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        return sorted((n for n in found if n.startswith(PREFIX)), reverse=True)
+
+    def complete(self) -> list[str]:
+        """Checkpoints whose marker exists, newest first (not verified)."""
+        if not self._fresh():
+            return []
+        markers = self.fs.glob(self.path(f"{PREFIX}*", MARKER))
+        return sorted((m.rstrip("/").rsplit("/", 2)[-2] for m in markers), reverse=True)
+
+    def manifest(self, name: str) -> dict:
+        if name not in self._manifests:
+            with self.fs.open(self.path(name, MARKER), "rb") as f:
+                self._manifests[name] = json.loads(f.read())
+        return self._manifests[name]
+
+    def problem(self, name: str, verify_checksums: bool = True) -> str | None:
+        """Why checkpoint ``name`` cannot be used, or None if its files match its manifest."""
+        self._manifests.pop(name, None)  # read what is on disk now
+        try:
+            manifest = self.manifest(name)
+            files = {rel: FileEntry(**entry) for rel, entry in manifest["files"].items()}
+        except FileNotFoundError:
+            return f"no {MARKER} (the save did not finish)"
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"its {MARKER} is unreadable ({exc})"
+        for rel, expected in files.items():
+            path = self.path(name, rel)
+            try:
+                size = self.fs.size(path)
+            except FileNotFoundError:
+                return f"{rel} is missing"
+            if size != expected.size:
+                return f"{rel} has {size} bytes, the manifest says {expected.size} (truncated or overwritten)"
+        if verify_checksums:
+            with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:  # hashlib releases the GIL
+                actual = dict(zip(files, pool.map(lambda rel: hash_file(self.fs, self.path(name, rel)), files), strict=True))
+            for rel, expected in files.items():
+                if actual[rel].sha256 != expected.sha256:
+                    return f"{rel} does not match its sha256 (corrupted)"
+        return None
+
+    def find_valid(self, verify_checksums: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
+        """(the newest usable checkpoint or None, [(name, problem)] of the newer ones that were skipped)."""
+        skipped = []
+        for name in self.names():
+            problem = self.problem(name, verify_checksums)
+            if problem is None:
+                return name, skipped
+            skipped.append((name, problem))
+        return None, skipped
+
+    # -- deleting (rank 0) --------------------------------------------------------------------
+
+    def delete(self, name: str) -> None:
+        """Remove a checkpoint so that no half-deleted one can pass for complete."""
+        self._manifests.pop(name, None)
+        if self.local:
+            self._remove_tree(self.path(name))
+            return
+        if self.fs.exists(self.path(name, MARKER)):
+            self.fs.rm(self.path(name, MARKER))  # marker first: what remains is visibly incomplete
+        if self.fs.exists(self.path(name)):
+            self.fs.rm(self.path(name), recursive=True)
+
+    def clean(self) -> list[str]:
+        """Remove what interrupted saves and deletions left behind; call when nothing is being written."""
+        if not self.fs.exists(self.root):
+            return []
+        removed = []
+        if self.local:
+            for entry in os.listdir(self.root):
+                if entry.startswith((PARTIAL, TRASH)):
+                    shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
+                    removed.append(entry)
+                elif entry.startswith(".") and ".tmp-" in entry:
+                    os.unlink(os.path.join(self.root, entry))
+                    removed.append(entry)
+        else:
+            for name in sorted(set(self.names()) - set(self.complete())):
+                self.delete(name)
+                removed.append(name)
+        return removed
+
+    def rotate(self, keep_last_n: int, protect: set[str], monitor: str | None = None, mode: str = "min",
+               keep_best_k: int = 0) -> list[str]:
+        """Delete complete checkpoints beyond the newest ``keep_last_n``, the best ``keep_best_k`` and ``protect``."""
+        names = self.complete()
+        keep = set(names[:keep_last_n]) | protect
+        if monitor and keep_best_k > 0:
+            scored = []
+            for name in names:
+                metric = self.manifest(name).get("metric") or {}
+                if metric.get("name") == monitor and metric.get("value") is not None:
+                    scored.append((metric["value"] if mode == "min" else -metric["value"], name))
+            keep |= {name for _, name in sorted(scored)[:keep_best_k]}
+        deleted = [name for name in names if name not in keep]
+        for name in deleted:
+            self.delete(name)
+        return deleted
+
+    def best(self, monitor: str, mode: str = "min") -> str | None:
+        """The complete checkpoint with the best recorded ``monitor`` value."""
+        scored = [(m["value"] if mode == "min" else -m["value"], n) for n in self.complete()
+                  if (m := self.manifest(n).get("metric") or {}).get("name") == monitor and m.get("value") is not None]
+        return min(scored)[1] if scored else None
+
+    def _remove_tree(self, path: str) -> None:
+        """Rename first, then delete: the folder leaves its name at once, even if the deletion is interrupted."""
+        if not os.path.exists(path):
+            return
+        trash = os.path.join(os.path.dirname(path), f"{TRASH}{os.path.basename(path)}-{uuid.uuid4().hex[:6]}")
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,17 @@
+"""Networks for tests, named in YAML as ``tests.helpers.nets.<Name>``."""
+
+from torch import nn
+
+from lit_dist.models import SimpleCNN
+
+
+class DropoutCNN(nn.Module):
+    """SimpleCNN with dropout on its logits: every training step draws from the global torch RNG."""
+
+    def __init__(self, num_classes: int = 4, p: float = 0.3):
+        super().__init__()
+        self.body = SimpleCNN(num_classes=num_classes)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.dropout(self.body(x))

@@ -1,0 +1,170 @@
+"""Checkpoint files, manifests, rotation, damaged checkpoints and asynchronous saves (one process)."""
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from lit_dist.callbacks.checkpoint import Checkpointing
+from lit_dist.ckpt.files import filesystem, write_atomically
+from lit_dist.ckpt.store import LATEST, MARKER, STATE, CheckpointStore, checkpoint_name
+from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.errors import CheckpointError, ConfigError
+from lit_dist.models import SimpleCNN
+from lit_dist.module import LitModel
+from tests.conftest import CONFIGS, lit_dist
+
+
+def train(root, demo_data, max_steps=12, **checkpointing):
+    seed_everything(0)
+    model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
+    callback = Checkpointing(dirpath=str(root / "ckpt"), **{"every_n_epochs": None, **checkpointing})
+    trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[callback], num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root)
+    trainer.fit(model, dm)
+    return callback, CheckpointStore(str(root / "ckpt"))
+
+
+def test_every_file_is_in_the_manifest_and_rotation_keeps_the_newest(tmp_path, demo_data):
+    callback, store = train(tmp_path, demo_data, max_steps=12, every_n_steps=2, keep_last_n=2)
+    assert store.names() == [checkpoint_name(12), checkpoint_name(10)]
+    assert (tmp_path / "ckpt" / LATEST).read_text().strip() == checkpoint_name(12)
+    assert callback.last_path == str(tmp_path / "ckpt" / checkpoint_name(12))
+    for name in store.names():
+        manifest = json.loads((tmp_path / "ckpt" / name / MARKER).read_text())
+        data = (tmp_path / "ckpt" / name / STATE).read_bytes()
+        assert manifest["files"] == {STATE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+        assert manifest["step"] == int(name.split("-")[1]) and manifest["reason"] in ("steps", "end")
+    leftovers = [p.name for p in (tmp_path / "ckpt").rglob("*") if p.name.startswith(".")]
+    assert leftovers == [], "temporary files were left behind"
+
+
+def test_keep_last_n_below_two_and_bad_values_are_named():
+    with pytest.raises(ConfigError) as err:
+        Checkpointing(keep_last_n=1, every_n_steps=0, mode="best")
+    message = str(err.value)
+    assert "keep_last_n: 1" in message and "every_n_steps: 0" in message and "checkpoint.mode" in message
+
+
+def fake_checkpoints(store: CheckpointStore, steps_and_losses) -> None:
+    for step, loss in steps_and_losses:
+        name = checkpoint_name(step)
+        store.begin(name)
+        entry = write_atomically(store.fs, f"{store.staging(name)}/{STATE}", lambda f, s=step: f.write(bytes([s]) * 100))
+        store.finish(name, {STATE: entry}, {"step": step, "metric": {"name": "val/loss", "value": loss}})
+
+
+def test_rotation_keeps_newest_best_and_the_resume_source(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    fake_checkpoints(store, [(10, 0.9), (20, 0.2), (30, 0.5), (40, 0.7), (50, 0.8)])
+    deleted = store.rotate(keep_last_n=2, protect={checkpoint_name(10)}, monitor="val/loss", keep_best_k=1)
+    assert sorted(deleted) == [checkpoint_name(30)]
+    assert store.names() == [checkpoint_name(s) for s in (50, 40, 20, 10)]
+    assert store.best("val/loss") == checkpoint_name(20)
+    assert store.best("val/loss", mode="max") == checkpoint_name(10)
+
+
+def damage(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flip":
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif how == "marker":
+        (path.parent / MARKER).write_text("{not json")
+    elif how == "missing":
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "marker", "missing"])
+def test_a_damaged_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, how, recwarn):
+    store = CheckpointStore(str(tmp_path))
+    fake_checkpoints(store, [(10, None), (20, None)])
+    damage(tmp_path / checkpoint_name(20) / STATE, how)
+    callback = Checkpointing(dirpath=str(tmp_path))
+    callback._store = store
+    assert callback.resolve_ckpt_path(None, "auto") == str(tmp_path / checkpoint_name(10) / STATE)
+    assert callback.resumed_from == checkpoint_name(10)
+    warning = " ".join(str(w.message) for w in recwarn)
+    assert checkpoint_name(20) in warning and f"falling back to {checkpoint_name(10)}" in warning
+
+
+def test_no_usable_checkpoint_is_an_error_and_an_explicit_damaged_one_too(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    fake_checkpoints(store, [(10, None), (20, None)])
+    damage(tmp_path / checkpoint_name(20) / STATE, "flip")
+    callback = Checkpointing(dirpath=str(tmp_path))
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        callback.resolve_ckpt_path(None, str(tmp_path / checkpoint_name(20)))
+    damage(tmp_path / checkpoint_name(10) / STATE, "truncate")
+    callback._store = store
+    with pytest.raises(CheckpointError, match="none is usable"):
+        callback.resolve_ckpt_path(None, "auto")
+
+
+def test_an_interrupted_write_leaves_nothing_at_the_final_path(tmp_path):
+    fs, path = filesystem(str(tmp_path / "state.ckpt"))
+    write_atomically(fs, path, lambda f: f.write(b"old complete file"))
+
+    def dies_halfway(f):
+        f.write(b"x" * (2 << 20))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(fs, path, dies_halfway)
+    assert (tmp_path / "state.ckpt").read_bytes() == b"old complete file"
+    assert os.listdir(tmp_path) == ["state.ckpt"]
+
+
+def test_asynchronous_saves_write_the_same_checkpoints(tmp_path, demo_data):
+    _, sync = train(tmp_path / "sync", demo_data, max_steps=9, every_n_steps=3)
+    _, background = train(tmp_path / "async", demo_data, max_steps=9, every_n_steps=3, async_save=True)
+    assert sync.names() == background.names() == [checkpoint_name(s) for s in (9, 6, 3)]
+    for name in sync.names():
+        assert background.problem(name) is None
+        a = torch.load(f"{sync.path(name)}/{STATE}", weights_only=True)
+        b = torch.load(f"{background.path(name)}/{STATE}", weights_only=True)
+        for key in ("state_dict",):
+            for k in a[key]:
+                assert torch.equal(a[key][k], b[key][k]), f"{name}: {k} differs"
+        assert a["optimizer_states"][0]["state"][0]["exp_avg"].equal(b["optimizer_states"][0]["state"][0]["exp_avg"])
+        assert a["global_step"] == b["global_step"]
+
+
+def test_monitor_records_the_metric_and_keeps_the_best(tmp_path, demo_data):
+    seed_everything(0)
+    model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.2)
+    callback = Checkpointing(dirpath=str(tmp_path / "ckpt"), every_n_epochs=None, monitor="val/loss",
+                             keep_last_n=2, keep_best_k=1)
+    trainer = Trainer(max_steps=24, val_check_interval=4, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[callback], num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer.fit(model, dm)
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    values = {n: store.manifest(n)["metric"]["value"] for n in store.names()}
+    best = min(values, key=values.get)
+    assert len(values) in (2, 3) and checkpoint_name(24) in values
+    assert callback.best_model_path == f"{tmp_path / 'ckpt' / best}/{STATE}"
+
+
+def test_the_cli_resumes_by_default_and_says_where_it_fell_back(tmp_path, demo_data):
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
+            "--data.batch_size_per_device", "8", "--run.root_dir", str(tmp_path), "--run.run_id", "r1",
+            "--trainer.enable_progress_bar", "false"]
+    first = lit_dist(*args, "--trainer.max_epochs", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    folder = tmp_path / "quickstart" / "r1" / "checkpoints"
+    names = sorted(p.name for p in folder.glob("step-*"))
+    assert len(names) == 2, names
+    damage(folder / names[-1] / STATE, "flip")
+    second = lit_dist(*args, "--trainer.max_epochs", "3")
+    assert second.returncode == 0, second.stderr[-3000:]
+    output = second.stdout + second.stderr
+    assert f"{names[-1]} is unusable" in output and f"falling back to {names[0]}" in output
+    assert f"resuming from {folder / names[0]}" in output
+    assert "weights_only" not in output, "lit-dist's own checkpoints load without pickled objects"
