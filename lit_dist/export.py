@@ -1,12 +1,14 @@
 """Consolidated model files: a plain ``state_dict`` of the wrapped network, loadable without lit-dist.
 
-    lit-dist export runs/my-run/slurm-123/checkpoints/epoch=3-step=4000.ckpt --output model.pt
+    lit-dist export runs/my-run/slurm-123/checkpoints/step-000004000 --output model.pt
+    lit-dist export runs/my-run/slurm-123/checkpoints --output model.pt    # the newest usable one
 
     net = MyNet(...)
     net.load_state_dict(torch.load("model.pt", weights_only=True))
 
-Works for a Lightning checkpoint file (DDP, single device, FSDP full), a sharded folder
-(FSDP2 / FSDP1 sharded, torch.distributed.checkpoint) and a DeepSpeed ZeRO folder.
+Works for a lit-dist checkpoint folder (verified against its manifest first), a Lightning
+checkpoint file (DDP, single device, FSDP full), a sharded folder (FSDP2 / FSDP1 sharded,
+torch.distributed.checkpoint) and a DeepSpeed ZeRO folder.
 """
 
 import os
@@ -49,8 +51,29 @@ def save_atomically(state: dict, path: str) -> None:
         raise
 
 
+def lit_dist_checkpoint(path: str) -> str | None:
+    """The verified state file of a lit-dist checkpoint folder (or of the newest usable one in a
+    checkpoints folder); None when ``path`` is not one of those."""
+    from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore
+
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, MARKER)):
+        store, name = CheckpointStore(os.path.dirname(path)), os.path.basename(path)
+        if problem := store.problem(name):
+            raise DataError(f"checkpoint {path} is unusable: {problem}")
+        return store.url_of(name, STATE)
+    store = CheckpointStore(path)
+    if os.path.isdir(path) and store.names():
+        name, skipped = store.find_valid()
+        if name is None:
+            raise DataError(f"no usable checkpoint in {path}: " + "; ".join(f"{n}: {p}" for n, p in skipped))
+        return store.url_of(name, STATE)
+    return None
+
+
 def load_checkpoint_state(path: str) -> dict:
     """The LightningModule state dict held by any checkpoint lit-dist or Lightning writes."""
+    path = lit_dist_checkpoint(path) or path
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "latest")) or any(n.startswith("global_step") for n in os.listdir(path)):
             return _deepspeed_state(path)

@@ -18,6 +18,7 @@ arithmetic runs where it is cheap.
 """
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -332,6 +333,10 @@ class BucketDataModule(LightningDataModule):
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position without replaying the loader: the sampler skips what was done."""
         self._resume = dict(state) if state else None
+        if self._resume:
+            # Lightning warns that a mid-epoch resume repeats data unless the DataLoader is stateful;
+            # here the sampler restarts at the saved position, so nothing repeats.
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 
 class _SeededLoader(torch.utils.data.DataLoader):

@@ -54,8 +54,10 @@ def test_two_processes_follow_the_single_process_loss_curve(strategy, single, tm
 def test_fsdp2_sharded_checkpoint_exports_to_a_bare_model(tmp_path, demo_data):
     run_dir, _ = run(tmp_path, demo_data, "fsdp2", 2, 8, "--config", str(CONFIGS / "fsdp2.yaml"),
                      "--trainer.max_steps", "-1", "--trainer.max_epochs", "1")
-    checkpoint = next((run_dir / "checkpoints").iterdir())
-    assert checkpoint.is_dir(), "FSDP2 saves sharded checkpoints (a folder per checkpoint)"
+    checkpoint = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    manifest = json.loads((checkpoint / "COMPLETE.json").read_text())
+    shards = [f for f in manifest["files"] if f.endswith(".distcp")]
+    assert len(shards) == 2, f"each of the 2 ranks writes its own shard: {manifest['files']}"
     out = lit_dist("export", str(checkpoint), "--output", str(tmp_path / "exported.pt"))
     assert out.returncode == 0, out.stderr
     exported = torch.load(tmp_path / "exported.pt", weights_only=True)

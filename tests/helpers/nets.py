@@ -15,3 +15,16 @@ class DropoutCNN(nn.Module):
 
     def forward(self, x):
         return self.dropout(self.body(x))
+
+
+class WideHeadCNN(nn.Module):
+    """SimpleCNN with a wide square layer on top: a few million parameters, so that saves take a while."""
+
+    def __init__(self, num_classes: int = 4, width: int = 1536):
+        super().__init__()
+        self.body = SimpleCNN(num_classes=num_classes)
+        self.head = nn.Sequential(nn.Linear(num_classes, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                  nn.Linear(width, num_classes))
+
+    def forward(self, x):
+        return self.head(self.body(x))

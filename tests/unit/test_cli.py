@@ -129,7 +129,7 @@ def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data)
     run = tmp_path / "quickstart" / "same"
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["run"]["run_id"] == "same"
-    assert list((run / "checkpoints").glob("*.ckpt"))
+    assert list((run / "checkpoints").glob("step-*/COMPLETE.json"))
     assert list(run.glob("events.out.tfevents.*"))
 
 
@@ -139,11 +139,14 @@ def test_validate_test_and_predict_use_a_checkpoint(tmp_path, demo_data):
               "--data.batch_size_per_device", "8"]
     out = lit_dist("fit", *common, "--run.run_id", "train", "--trainer.max_epochs", "1")
     assert out.returncode == 0, out.stderr[-3000:]
-    ckpt = next((tmp_path / "quickstart" / "train" / "checkpoints").glob("*.ckpt"))
+    ckpt = next((tmp_path / "quickstart" / "train" / "checkpoints").glob("step-*"))
     for sub, needle in (("validate", "val/acc"), ("test", "test/acc"), ("predict", "predictions written")):
         out = lit_dist(sub, *common, "--run.run_id", sub, "--ckpt_path", str(ckpt))
         assert out.returncode == 0, out.stderr[-3000:]
         assert needle in out.stdout
+    # ckpt_path: auto (the default) finds the run's own newest checkpoint.
+    out = lit_dist("validate", *common, "--run.run_id", "train")
+    assert out.returncode == 0 and f"resuming from {ckpt}" in out.stdout + out.stderr, out.stderr[-3000:]
     import pyarrow.parquet as pq
 
     table = pq.read_table(tmp_path / "quickstart" / "predict" / "predictions-rank0.parquet")

@@ -15,7 +15,7 @@ def check_quickstart_output(out, cwd):
     run_dir = re.search(r"run directory: (\S+)", out.stdout).group(1)
     assert f"tensorboard --logdir {run_dir}" in out.stdout
     run = cwd / run_dir
-    assert (run / "config.yaml").is_file() and list((run / "checkpoints").glob("*.ckpt"))
+    assert (run / "config.yaml").is_file() and list((run / "checkpoints").glob("step-*/COMPLETE.json"))
     events = EventAccumulator(str(run))
     events.Reload()
     tags = set(events.Tags()["scalars"])

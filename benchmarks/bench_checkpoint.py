@@ -1,0 +1,115 @@
+"""Checkpoint saves of a ~530 MB state (44 M parameters + AdamW) inside one training run:
+
+- stall: how long the training thread stops for an asynchronous save vs a synchronous one
+  (target, issue 6: <= 0.2x). The asynchronous figure includes any wait for the previous write.
+- throughput: a synchronous lit-dist save (temporary file in the same folder, sha256, fsync,
+  rename, manifest, rotation) vs a bare ``torch.save`` of the same state to the same disk (aim >= 0.8x).
+
+Saves alternate (sync, async, bare) every ``--every`` steps of the same run, so all three see the
+same state size, page cache and disk.
+
+    .venv/bin/python -m benchmarks.bench_checkpoint [--repeats 5] [--every 16] [--dir PATH]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from benchmarks.common import InMemoryData, machine
+from benchmarks.models import MLPClassifier
+from lit_dist.callbacks.checkpoint import Checkpointing
+from lit_dist.ckpt.store import STATE
+from lit_dist.module import LitModel
+
+
+class Measure(Callback):
+    """Every ``every`` steps, one save of the next kind in (sync, async, bare); records the times."""
+
+    def __init__(self, checkpointing: Checkpointing, folder: str, every: int, repeats: int):
+        self.checkpointing, self.folder, self.every, self.repeats = checkpointing, folder, every, repeats
+        self.kinds = ["sync", "async", "bare"] * repeats
+        self.times = {"sync": [], "async": [], "bare": []}
+        self.bytes = {}
+        self.step_s = {"after_async": [], "after_other": []}
+        self._last_kind = None
+        self._step_start = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if self._last_kind is not None and step % self.every:
+            key = "after_async" if self._last_kind == "async" else "after_other"
+            self.step_s[key].append(time.perf_counter() - self._step_start)
+        if step % self.every or step < self.every:  # the first interval warms up
+            return
+        if not self.kinds:
+            trainer.should_stop = True
+            return
+        kind = self.kinds.pop(0)
+        cb = self.checkpointing
+        start = time.perf_counter()
+        if kind == "bare":
+            cb._settle(trainer)  # a previous asynchronous write must not overlap the baseline
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            path = os.path.join(self.folder, "bare.pt")
+            start = time.perf_counter()
+            torch.save(checkpoint, path)
+            self.times[kind].append(time.perf_counter() - start)
+            self.bytes[kind] = os.path.getsize(path)
+            os.unlink(path)
+        else:
+            cb.async_save = kind == "async"
+            cb.save(trainer, "benchmark")  # for async: waits for the previous write first, counted as stall
+            self.times[kind].append(time.perf_counter() - start)
+            if kind == "sync":
+                self.bytes[kind] = os.path.getsize(os.path.join(cb.last_path, STATE))
+        self._last_kind = kind
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--every", type=int, default=16, help="steps between two saves")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder on the repo's disk)")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=args.dir or os.getcwd())
+    seed_everything(0)
+    model = LitModel(MLPClassifier(width=2048, depth=9), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    checkpointing = Checkpointing(dirpath=os.path.join(root, "ckpt"), every_n_epochs=None, save_last=False, keep_last_n=2)
+    measure = Measure(checkpointing, root, args.every, args.repeats)
+    trainer = Trainer(max_steps=args.every * (3 * args.repeats + 3), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[measure, checkpointing], num_sanity_val_steps=0,
+                      limit_val_batches=0, default_root_dir=root)
+    trainer.fit(model, InMemoryData(num_samples=2048, batch_size_per_device=16))
+    checkpointing._background.wait()
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+
+    sync, async_, bare = (statistics.median(measure.times[k]) for k in ("sync", "async", "bare"))
+    mb = measure.bytes["sync"] / 1e6
+    result = {
+        "state_mb": round(mb, 1),
+        "sync_stall_s": round(sync, 3), "async_stall_s": round(async_, 3), "stall_ratio": round(async_ / sync, 3),
+        "sync_mb_per_s": round(mb / sync, 1), "bare_torch_save_mb_per_s": round(measure.bytes["bare"] / 1e6 / bare, 1),
+        "throughput_ratio": round((mb / sync) / (measure.bytes["bare"] / 1e6 / bare), 3),
+        "step_s_while_async_write": round(statistics.median(measure.step_s["after_async"]), 4),
+        "step_s_otherwise": round(statistics.median(measure.step_s["after_other"]), 4),
+        "all_times_s": {k: [round(t, 3) for t in v] for k, v in measure.times.items()},
+        "machine": machine(),
+    }
+    print(json.dumps(result, indent=1))
+    print(f"async stall / sync stall = {result['stall_ratio']:.3f} (target <= 0.2); "
+          f"sync save / bare torch.save throughput = {result['throughput_ratio']:.2f} (aim >= 0.8)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Kills ``lit-dist fit`` with SIGKILL at random moments, most of them during a checkpoint save.
+
+    python -m tests.helpers.kill_driver ROOT METADATA KILLS SEED
+
+Imports lit-dist once, then forks one training process per round (so a round costs the training,
+not the imports) and, after each kill, checks what a user would rely on: every checkpoint at a
+final path matches its manifest, ``latest`` names a complete checkpoint, and ``ckpt_path: auto``
+finds one. Prints a JSON summary on its last line.
+
+The parent never runs a torch operation: forking after one would copy a started OpenMP pool.
+"""
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import lit_dist.callbacks.checkpoint  # noqa: F401 - imported once here, not in every child
+import lit_dist.data.datamodule  # noqa: F401
+import lit_dist.module  # noqa: F401
+from lit_dist.ckpt.store import LATEST, PARTIAL, CheckpointStore
+from lit_dist.cli import main as lit_dist_main
+
+ARGS = ["fit", "--config", "configs/quickstart.yaml", "--model.net.class_path", "tests.helpers.nets.WideHeadCNN",
+        "--data.batch_size_per_device", "8", "--data.num_workers", "0", "--trainer.max_epochs", "1000",
+        "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false", "--run.run_id", "kill",
+        "--checkpoint.every_n_steps", "1", "--checkpoint.keep_last_n", "2", "--export.filename", "null"]
+
+
+def train(root: str, metadata: str, async_save: bool) -> None:
+    """The child: a real lit-dist fit that resumes with ckpt_path: auto and saves after every step."""
+    os.setsid()
+    log = os.open(os.path.join(root, "child.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        lit_dist_main([*ARGS, "--run.root_dir", root, "--data.metadata", metadata, "--checkpoint.async_save", str(async_save).lower()])
+    except SystemExit as exit:
+        os._exit(exit.code or 0)
+    os._exit(0)
+
+
+def saving(folder: str) -> bool:
+    """Whether a save is under way (a staging folder or a temporary file exists)."""
+    try:
+        return any(e.startswith(PARTIAL) or ".tmp-" in e for e in os.listdir(folder))
+    except FileNotFoundError:
+        return False
+
+
+def check(folder: str) -> list[str]:
+    """Problems a user would hit after the kill."""
+    store = CheckpointStore(folder)
+    problems = [f"{name}: {problem}" for name in store.names() if (problem := store.problem(name))]
+    if os.path.exists(os.path.join(folder, LATEST)):
+        with open(os.path.join(folder, LATEST)) as f:
+            latest = f.read().strip()
+        if latest not in store.complete():
+            problems.append(f"latest names {latest!r}, which is not a complete checkpoint")
+    if store.names() and store.find_valid()[0] is None:
+        problems.append("ckpt_path: auto would find no usable checkpoint")
+    return problems
+
+
+def main(root: str, metadata: str, kills: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    folder = os.path.join(root, "quickstart", "kill", "checkpoints")
+    summary = {"kills": 0, "during_save": 0, "problems": [], "checkpoints_seen": 0}
+    for round in range(kills):
+        pid = os.fork()
+        if pid == 0:
+            train(root, metadata, async_save=round % 3 == 2)
+        deadline = time.monotonic() + 60
+        if round % 2:  # wait for a save to start, then kill a random moment into it
+            while not saving(folder) and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            time.sleep(rng.uniform(0, 0.05))
+        else:  # any moment: start-up, loading, training or saving
+            time.sleep(rng.uniform(1.0, 4.0))
+        during = saving(folder)
+        os.killpg(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        summary["kills"] += 1
+        summary["during_save"] += during
+        summary["problems"] += [f"round {round}: {p}" for p in check(folder)]
+        summary["checkpoints_seen"] = max(summary["checkpoints_seen"], len(CheckpointStore(folder).complete()))
+    return summary
+
+
+if __name__ == "__main__":
+    root, metadata, kills, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    print(json.dumps(main(root, metadata, kills, seed)))
