@@ -251,9 +251,17 @@ class Checkpointing(Checkpoint):
         if step == self._last_seen_step:  # accumulating gradients: no optimizer step since the last batch
             return
         self._last_seen_step = step
-        reason = "steps" if self.every_n_steps and step % self.every_n_steps == 0 else None
-        if self.save_last and (trainer.should_stop or 0 < trainer.max_steps <= step):
-            reason = "end"  # here, not in on_train_end: there the loops already count the epoch as done
+        # Epoch saves happen here, after the epoch's last batch (see _as_next_epoch_start).
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        epochs_done = trainer.current_epoch + 1
+        reason = None
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            reason = "steps"
+        if self.every_n_epochs and last_batch and epochs_done % self.every_n_epochs == 0:
+            reason = "epoch"
+        if self.save_last and (trainer.should_stop or 0 < trainer.max_steps <= step
+                               or (last_batch and epochs_done >= (trainer.max_epochs or 0) > 0)):
+            reason = "end"
         if self.every_n_minutes and step % self.check_every_n_steps == 0:
             late = time.monotonic() - self._last_save_time >= self.every_n_minutes * 60
             if _agree_any(trainer, late):
@@ -272,15 +280,9 @@ class Checkpointing(Checkpoint):
         metric = {"name": self.monitor, "value": None if value is None else float(value)}
         self.save(trainer, "validation", metric)
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
-            self.save(trainer, "epoch")
-        elif self.save_last and (trainer.should_stop or trainer.current_epoch + 1 >= (trainer.max_epochs or 0) > 0):
-            self.save(trainer, "end")
-
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_last:
-            self.save(trainer, "end")  # only if training ended without passing the hooks above
+            self.save(trainer, "end")  # only if training ended elsewhere than after a batch (e.g. early stopping)
         self._settle(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -298,6 +300,8 @@ class Checkpointing(Checkpoint):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # Every rank's streams, gathered into the one file rank 0 writes (a collective: every rank gets here).
         checkpoint["lit_dist"] = {"rng": _all_gather_object(trainer, _rng_state())}
+        if trainer.training and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and "loops" in checkpoint:
+            _as_next_epoch_start(checkpoint["loops"]["fit_loop"])
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         self._rng = (checkpoint.get("lit_dist") or {}).get("rng")
@@ -427,6 +431,26 @@ def _rank_zero_writes(strategy) -> bool:
     if isinstance(strategy, FSDPStrategy):
         return strategy._state_dict_type == "full"
     return isinstance(strategy, (DDPStrategy, SingleDeviceStrategy))
+
+
+def _as_next_epoch_start(fit_loop: dict) -> None:
+    """Turn Lightning's loop counters, saved after the last batch of an epoch, into those of the next epoch's start.
+
+    Lightning 2.6 restores a checkpoint taken after an epoch's last batch (or in on_train_epoch_end)
+    as a restart inside that epoch and, depending on the data loader, counts the epoch twice: the
+    resumed run trains one epoch less. The weights, optimizer and step count are the same at the
+    start of the next epoch, and that state Lightning resumes as a plain start.
+    """
+    for part in fit_loop["epoch_progress"].values():
+        part.update(dict.fromkeys(part, part["ready"]))  # this epoch ready, started, processed, completed
+    per_epoch = [fit_loop["epoch_loop.batch_progress"], fit_loop["epoch_loop.scheduler_progress"],
+                 fit_loop["epoch_loop.manual_optimization.optim_step_progress"],
+                 *fit_loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"].values()]
+    for progress in per_epoch:
+        progress["current"] = dict.fromkeys(progress["current"], 0)
+    batches = fit_loop["epoch_loop.batch_progress"]
+    batches["total"]["completed"] = batches["total"]["processed"]  # the last batch counts as completed
+    batches["is_last_batch"] = False
 
 
 def _agree_any(trainer, flag: bool) -> bool:

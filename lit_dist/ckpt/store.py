@@ -98,7 +98,7 @@ class CheckpointStore:
     def _fresh(self) -> bool:
         """Whether the root exists, as other processes left it (object-store listings are cached)."""
         if not self.local:
-            self.fs.invalidate_cache(self.root)
+            self.fs.invalidate_cache()  # listings and object details, which other processes may have changed
         return self.fs.exists(self.root)
 
     def names(self) -> list[str]:
@@ -124,6 +124,8 @@ class CheckpointStore:
     def problem(self, name: str, verify_checksums: bool = True) -> str | None:
         """Why checkpoint ``name`` cannot be used, or None if its files match its manifest."""
         self._manifests.pop(name, None)  # read what is on disk now
+        if not self.local:
+            self.fs.invalidate_cache()
         try:
             manifest = self.manifest(name)
             files = {rel: FileEntry(**entry) for rel, entry in manifest["files"].items()}

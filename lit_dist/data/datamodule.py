@@ -292,6 +292,8 @@ class BucketDataModule(LightningDataModule):
     def train_dataloader(self):
         sampler = self.train_sampler(*self.world())
         if self._resume:
+            # Lightning takes the first batch of a run from this loader before it sets the epoch.
+            sampler.set_epoch(self._resume["epoch"])
             sampler.resume(self._resume["epoch"], self._resume["batches_done"])
             self._resume = None
         return self._loader("train", sampler)
@@ -327,8 +329,10 @@ class BucketDataModule(LightningDataModule):
             return {}
         # `processed`, not `completed`: a checkpoint written in on_train_batch_end runs before Lightning
         # counts that batch as completed, and that batch must not be trained on twice.
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": trainer.current_epoch, "batches_done": progress.processed}
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.is_last_batch:  # the epoch is done: resume at the start of the next one
+            return {"epoch": trainer.current_epoch + 1, "batches_done": 0}
+        return {"epoch": trainer.current_epoch, "batches_done": progress.current.processed}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position without replaying the loader: the sampler skips what was done."""

@@ -1,6 +1,6 @@
 """Kills ``lit-dist fit`` with SIGKILL at random moments, most of them during a checkpoint save.
 
-    python -m tests.helpers.kill_driver ROOT METADATA KILLS SEED
+    python -m tests.helpers.kill_driver ROOT METADATA KILLS SEED [CHECKPOINT_URL STORAGE_OPTIONS_JSON]
 
 Imports lit-dist once, then forks one training process per round (so a round costs the training,
 not the imports) and, after each kill, checks what a user would rely on: every checkpoint at a
@@ -29,14 +29,15 @@ ARGS = ["fit", "--config", "configs/quickstart.yaml", "--model.net.class_path", 
         "--checkpoint.every_n_steps", "1", "--checkpoint.keep_last_n", "2", "--export.filename", "null"]
 
 
-def train(root: str, metadata: str, async_save: bool) -> None:
+def train(root: str, metadata: str, async_save: bool, extra: list[str]) -> None:
     """The child: a real lit-dist fit that resumes with ckpt_path: auto and saves after every step."""
     os.setsid()
     log = os.open(os.path.join(root, "child.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
     try:
-        lit_dist_main([*ARGS, "--run.root_dir", root, "--data.metadata", metadata, "--checkpoint.async_save", str(async_save).lower()])
+        lit_dist_main([*ARGS, "--run.root_dir", root, "--data.metadata", metadata, "--checkpoint.async_save", str(async_save).lower(),
+                       *extra])
     except SystemExit as exit:
         os._exit(exit.code or 0)
     os._exit(0)
@@ -50,30 +51,35 @@ def saving(folder: str) -> bool:
         return False
 
 
-def check(folder: str) -> list[str]:
+def check(store: CheckpointStore) -> list[str]:
     """Problems a user would hit after the kill."""
-    store = CheckpointStore(folder)
-    problems = [f"{name}: {problem}" for name in store.names() if (problem := store.problem(name))]
-    if os.path.exists(os.path.join(folder, LATEST)):
-        with open(os.path.join(folder, LATEST)) as f:
-            latest = f.read().strip()
-        if latest not in store.complete():
+    complete = store.complete()
+    problems = [f"{name}: {problem}" for name in complete if (problem := store.problem(name))]
+    if store.local:  # on disk, a checkpoint reaches its final name only complete
+        problems += [f"{name}: at a final path without its marker" for name in sorted(set(store.names()) - set(complete))]
+    if store.fs.exists(store.path(LATEST)):
+        with store.fs.open(store.path(LATEST), "rb") as f:
+            latest = f.read().decode().strip()
+        if latest not in complete:
             problems.append(f"latest names {latest!r}, which is not a complete checkpoint")
     if store.names() and store.find_valid()[0] is None:
         problems.append("ckpt_path: auto would find no usable checkpoint")
     return problems
 
 
-def main(root: str, metadata: str, kills: int, seed: int) -> dict:
+def main(root: str, metadata: str, kills: int, seed: int, url: str | None = None, options: dict | None = None) -> dict:
     rng = random.Random(seed)
     folder = os.path.join(root, "quickstart", "kill", "checkpoints")
+    store = CheckpointStore(url or folder, options)
+    extra = ["--checkpoint.dirpath", url, "--checkpoint.storage_options", json.dumps(options)] if url else []
     summary = {"kills": 0, "during_save": 0, "problems": [], "checkpoints_seen": 0}
     for round in range(kills):
         pid = os.fork()
         if pid == 0:
-            train(root, metadata, async_save=round % 3 == 2)
+            train(root, metadata, round % 3 == 2, extra)
         deadline = time.monotonic() + 60
-        if round % 2:  # wait for a save to start, then kill a random moment into it
+        # An object store shows no upload in progress: there, every kill is at a random moment.
+        if round % 2 and store.local:  # wait for a save to start, then kill a random moment into it
             while not saving(folder) and time.monotonic() < deadline:
                 time.sleep(0.0005)
             time.sleep(rng.uniform(0, 0.05))
@@ -84,11 +90,12 @@ def main(root: str, metadata: str, kills: int, seed: int) -> dict:
         os.waitpid(pid, 0)
         summary["kills"] += 1
         summary["during_save"] += during
-        summary["problems"] += [f"round {round}: {p}" for p in check(folder)]
-        summary["checkpoints_seen"] = max(summary["checkpoints_seen"], len(CheckpointStore(folder).complete()))
+        summary["problems"] += [f"round {round}: {p}" for p in check(store)]
+        summary["checkpoints_seen"] = max(summary["checkpoints_seen"], len(store.complete()))
     return summary
 
 
 if __name__ == "__main__":
     root, metadata, kills, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    print(json.dumps(main(root, metadata, kills, seed)))
+    url, options = (sys.argv[5], json.loads(sys.argv[6])) if len(sys.argv) > 6 else (None, None)
+    print(json.dumps(main(root, metadata, kills, seed, url, options)))

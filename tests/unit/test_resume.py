@@ -1,5 +1,6 @@
 """Stopping mid-epoch and resuming gives the same weights as never stopping (one process)."""
 
+import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
@@ -32,18 +33,22 @@ def steps_per_epoch(demo_data) -> int:
     return len(dm.train_sampler(1, 0))
 
 
-def test_resume_mid_epoch_matches_an_uninterrupted_run_bitwise(tmp_path, demo_data):
+@pytest.mark.parametrize("where", ["mid-epoch-0", "end-of-epoch-0", "mid-epoch-1"])
+def test_resume_matches_an_uninterrupted_run_bitwise(tmp_path, demo_data, where):
     per_epoch = steps_per_epoch(demo_data)
-    stop, end = per_epoch // 2, per_epoch + per_epoch // 3  # stop mid-epoch 0, end inside epoch 1
+    stop = {"mid-epoch-0": per_epoch // 2, "end-of-epoch-0": per_epoch, "mid-epoch-1": per_epoch + per_epoch // 2}[where]
+    end = 2 * per_epoch + 3  # ends inside epoch 2
     straight, trainer, _ = run(tmp_path / "a", demo_data, max_steps=end)
-    assert trainer.global_step == end > per_epoch, "the run should cross an epoch boundary"
+    assert trainer.global_step == end
     _, stopped, checkpointing = run(tmp_path / "b", demo_data, max_steps=end, stop=stop)
     assert stopped.global_step == stop
     saved = torch.load(f"{checkpointing.last_path}/{STATE}", weights_only=True)  # no pickled objects needed
-    assert saved["BucketDataModule"] == {"epoch": 0, "batches_done": stop}
+    position = {"epoch": stop // per_epoch, "batches_done": stop % per_epoch}
+    assert saved["BucketDataModule"] == position
     assert len(saved["lit_dist"]["rng"]) == 1
-    resumed, _, again = run(tmp_path / "b", demo_data, max_steps=end, resume=True)
+    resumed, again_trainer, again = run(tmp_path / "b", demo_data, max_steps=end, resume=True)
     assert again.resumed_from == f"step-{stop:09d}"
+    assert again_trainer.global_step == end and again_trainer.current_epoch == trainer.current_epoch
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(a, b), f"{name} differs after resume"
 
