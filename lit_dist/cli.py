@@ -9,6 +9,7 @@
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 
@@ -60,9 +61,11 @@ class LitDistCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         from lit_dist.callbacks.checkpoint import Checkpointing
         from lit_dist.callbacks.export import ExportModel
+        from lit_dist.callbacks.preemption import Preemption
 
         parser.add_class_arguments(RunConfig, "run")
         parser.add_lightning_class_args(Checkpointing, "checkpoint")
+        parser.add_lightning_class_args(Preemption, "preemption")
         parser.add_lightning_class_args(ExportModel, "export")
         if self.subclass_mode_model:
             parser.set_defaults({"model": {"class_path": MODEL}, "data": {"class_path": DATA}})
@@ -85,6 +88,7 @@ class LitDistCLI(LightningCLI):
         from lit_dist.strategies import prepare_strategy
 
         prepare_strategy(config)
+        self._fit_slurm_allocation(config)
         if config.trainer.enable_checkpointing is False:
             # lit-dist's Checkpointing is a Lightning Checkpoint, which Lightning refuses next to this flag.
             config.trainer.enable_checkpointing = True
@@ -108,6 +112,26 @@ class LitDistCLI(LightningCLI):
             arguments["ckpt_path"] = None
 
     before_fit = before_validate = before_test = before_predict = _resolve_ckpt_path
+
+    @staticmethod
+    def _fit_slurm_allocation(config) -> None:
+        """Under Slurm: devices and nodes from the allocation (or a clear refusal), and no Lightning auto-requeue."""
+        from jsonargparse import Namespace
+
+        from lit_dist.slurm import check_allocation, in_slurm_step
+
+        if not in_slurm_step():
+            return
+        filled = check_allocation(config.trainer)
+        if filled and os.environ.get("SLURM_PROCID", "0") == "0":
+            print(f"lit-dist: from the Slurm allocation: {', '.join(filled)}", flush=True)
+        # Lightning's auto_requeue saves inside the signal handler, which can hang; Preemption does it instead.
+        plugins = config.trainer.plugins
+        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
+        if not any("Environment" in str(getattr(p, "class_path", "")) for p in plugins):
+            plugins.append(Namespace(class_path="lightning.pytorch.plugins.environments.SLURMEnvironment",
+                                     init_args=Namespace(auto_requeue=False)))
+        config.trainer.plugins = plugins
 
     def after_fit(self) -> None:
         self._report("fit")

@@ -15,7 +15,7 @@ class ExitCode(IntEnum):
     CONFIG_ERROR = 2  # the configuration or command line is wrong
     DATA_ERROR = 3  # metadata or images are missing or unusable
     GPU_FAULT = 10  # the GPU of some rank is faulty: drain the node, do not retry there
-    PREEMPTED = 11  # saved and requeued after a preemption signal: not a failure
+    PREEMPTED = 11  # saved (and requeued under Slurm) after a preemption signal: not a failure
 
 
 class LitDistError(Exception):
@@ -42,6 +42,12 @@ class CheckpointError(LitDistError):
     """A checkpoint cannot be written or none of the existing ones can be loaded."""
 
     exit_code = ExitCode.FAILURE
+
+
+class Preempted(LitDistError):
+    """The run was preempted: a checkpoint was saved (and under Slurm the job requeued)."""
+
+    exit_code = ExitCode.PREEMPTED
 
 
 class DataError(LitDistError):

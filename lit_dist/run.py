@@ -49,3 +49,15 @@ def run_dir(config: RunConfig, environ: dict | None = None) -> tuple[str, str]:
     run_id = resolve_run_id(config.run_id, environ)
     os.environ[RUN_ID_ENV] = run_id
     return run_id, os.path.join(config.root_dir, config.name, run_id)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux), e.g. to report how long a restart took."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")

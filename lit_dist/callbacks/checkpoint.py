@@ -51,7 +51,7 @@ from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.snapshot import Background, Snapshot
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.errors import CheckpointError, ConfigError
-from lit_dist.run import RUN_ID_ENV
+from lit_dist.run import RUN_ID_ENV, process_age_s
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +250,10 @@ class Checkpointing(Checkpoint):
         step = trainer.global_step
         if step == self._last_seen_step:  # accumulating gradients: no optimizer step since the last batch
             return
+        if self.resumed_from and self._last_seen_step < 0:
+            age = process_age_s()
+            rank_zero_info(f"lit-dist: first step after resuming (step {step}) done"
+                           + (f" {age:.1f} s after the process started" if age is not None else ""))
         self._last_seen_step = step
         # Epoch saves happen here, after the epoch's last batch (see _as_next_epoch_start).
         last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch

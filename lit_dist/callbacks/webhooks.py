@@ -182,7 +182,9 @@ class WebhookNotifier(Callback):
         self.flush()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if trainer.is_global_zero:
+        from lit_dist.errors import Preempted
+
+        if trainer.is_global_zero and not isinstance(exception, Preempted):  # that one sent run.preempted
             self.notify("run.failed", "error", "Run failed", f"{type(exception).__name__}: {exception}"[:1500],
                         {"exception": type(exception).__name__, "step": trainer.global_step})
         self.flush()

@@ -31,3 +31,16 @@ class StopAtStep(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
+
+class SignalAtStep(Callback):
+    """Sends ``signal`` to this process after optimizer step ``step``, as Slurm or Kubernetes would."""
+
+    def __init__(self, step: int, signal: str = "SIGUSR1"):
+        self.step, self.signal = step, signal
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import signal
+
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), getattr(signal, self.signal))

@@ -168,3 +168,11 @@ def test_the_cli_resumes_by_default_and_says_where_it_fell_back(tmp_path, demo_d
     assert f"{names[-1]} is unusable" in output and f"falling back to {names[0]}" in output
     assert f"resuming from {folder / names[0]}" in output
     assert "weights_only" not in output, "lit-dist's own checkpoints load without pickled objects"
+
+
+def test_every_n_minutes_saves_when_the_time_has_come_at_agreed_steps(tmp_path, demo_data):
+    # 0.0001 minutes have always passed by the next check, which runs every 4 optimizer steps.
+    _, store = train(tmp_path, demo_data, max_steps=12, every_n_minutes=0.0001, check_every_n_steps=4,
+                     save_last=False, keep_last_n=5)
+    assert store.names() == [checkpoint_name(s) for s in (12, 8, 4)]
+    assert {store.manifest(n)["reason"] for n in store.names()} == {"time"}
