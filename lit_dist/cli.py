@@ -115,16 +115,16 @@ class LitDistCLI(LightningCLI):
 
     @staticmethod
     def _fit_slurm_allocation(config) -> None:
-        """Under Slurm: devices and nodes from the allocation (or a clear refusal), and no Lightning auto-requeue."""
+        """Under Slurm or torchrun: devices and nodes from the launch (or a clear refusal); no Lightning auto-requeue."""
         from jsonargparse import Namespace
 
         from lit_dist.slurm import check_allocation, in_slurm_step
 
+        filled = check_allocation(config.trainer)
+        if filled and os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0":
+            print(f"lit-dist: from the launcher: {', '.join(filled)}", flush=True)
         if not in_slurm_step():
             return
-        filled = check_allocation(config.trainer)
-        if filled and os.environ.get("SLURM_PROCID", "0") == "0":
-            print(f"lit-dist: from the Slurm allocation: {', '.join(filled)}", flush=True)
         # Lightning's auto_requeue saves inside the signal handler, which can hang; Preemption does it instead.
         plugins = config.trainer.plugins
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]

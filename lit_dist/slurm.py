@@ -1,9 +1,10 @@
-"""Slurm: check the allocation against the config before any process group starts, and requeue.
+"""Slurm (and torchrun): check the launch against the config before any process group starts; requeue.
 
 A multi-node start where ``--ntasks-per-node`` differs from ``trainer.devices``, or the node
 count from ``trainer.num_nodes``, waits for ranks that never come (Lightning #8707, #10098): on
-GPUs it hangs until the collective timeout. The values are all in the environment of every task,
-so the check needs no communication and fails in seconds.
+GPUs it hangs until the collective timeout. Under torchrun, a config left at one node trains one
+independent copy per node. The values are all in the environment of every process, so the check
+needs no communication and fails in seconds.
 """
 
 import os
@@ -30,35 +31,52 @@ def tasks_per_node(environ: dict) -> list[int]:
     return counts
 
 
+def launcher_layout(environ: dict) -> tuple[str, int, list[int]] | None:
+    """(launcher, nodes, processes per node) from Slurm's or torchrun's environment; None without either."""
+    if in_slurm_step(environ):
+        per_node = tasks_per_node(environ)
+        nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 1)
+        return "Slurm", nodes, per_node or [int(environ.get("SLURM_NTASKS", 1)) // max(nodes, 1)]
+    if environ.get("LOCAL_WORLD_SIZE") and environ.get("WORLD_SIZE") and environ.get("GROUP_RANK") is not None:
+        local, world = int(environ["LOCAL_WORLD_SIZE"]), int(environ["WORLD_SIZE"])
+        return "torchrun", max(world // local, 1), [local] * max(world // local, 1)
+    return None
+
+
+_HOW = {"Slurm": ("tasks per node", "--ntasks-per-node", "the Slurm job step has", "submit with --nodes="),
+        "torchrun": ("processes per node", "--nproc-per-node", "torchrun runs on", "start torchrun with --nnodes=")}
+
+
 def check_allocation(trainer: dict, environ: dict | None = None) -> list[str]:
-    """Fill ``num_nodes`` and ``devices`` from the allocation where the config leaves them at their
-    defaults; return what the lines to set them say (empty outside Slurm). Raise ConfigError when
-    the config and the allocation disagree, naming both values and the fix."""
+    """Fill ``num_nodes`` and ``devices`` from Slurm's or torchrun's layout where the config leaves them
+    at their defaults; return what was filled (empty without a launcher). Raise ConfigError when the
+    config and the layout disagree, naming both values and the fix."""
     env = os.environ if environ is None else environ
-    if not in_slurm_step(env):
+    layout = launcher_layout(env)
+    if layout is None:
         return []
-    per_node = tasks_per_node(env)
-    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    launcher, nodes, per_node = layout
+    per, flag, has, resubmit = _HOW[launcher]
     problems, filled = [], []
     if len(set(per_node)) > 1:
         problems.append(f"the Slurm allocation has unequal tasks per node ({env.get('SLURM_TASKS_PER_NODE')}); every "
                         "node must run the same number of tasks (one per GPU), so ask for "
                         "--nodes=N --ntasks-per-node=G with the same G GPUs on every node")
-    tasks = per_node[0] if per_node else int(env.get("SLURM_NTASKS", 1)) // max(nodes, 1)
+    tasks = per_node[0]
     devices = trainer.get("devices", "auto")
     if devices in (None, "auto"):
         trainer["devices"] = tasks
-        filled.append(f"trainer.devices {tasks} (Slurm tasks per node)")
+        filled.append(f"trainer.devices {tasks} ({launcher} {per})")
     elif _count(devices) != tasks:
-        problems.append(f"trainer.devices: {devices} but Slurm runs {tasks} tasks per node (--ntasks-per-node); "
-                        f"they must be equal: set trainer.devices: {tasks}, or submit with --ntasks-per-node={_count(devices)}")
+        problems.append(f"trainer.devices: {devices} but {launcher} runs {tasks} {per} ({flag}); they must be equal: "
+                        f"set trainer.devices: {tasks}, or start with {flag}={_count(devices)}")
     num_nodes = trainer.get("num_nodes", 1)
     if num_nodes in (None, 1) and nodes != 1:
         trainer["num_nodes"] = nodes
-        filled.append(f"trainer.num_nodes {nodes} (Slurm nodes)")
+        filled.append(f"trainer.num_nodes {nodes} ({launcher} nodes)")
     elif num_nodes not in (None, 1) and num_nodes != nodes:
-        problems.append(f"trainer.num_nodes: {num_nodes} but the Slurm job step has {nodes} nodes; set "
-                        f"trainer.num_nodes: {nodes}, or submit with --nodes={num_nodes}")
+        problems.append(f"trainer.num_nodes: {num_nodes} but {has} {nodes} nodes; set trainer.num_nodes: {nodes}, "
+                        f"or {resubmit}{num_nodes}")
     ConfigError.collect(problems)
     return filled
 

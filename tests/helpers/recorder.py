@@ -44,3 +44,21 @@ class SignalAtStep(Callback):
 
         if trainer.global_step == self.step:
             os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class WeightsDigest(Callback):
+    """Writes ``{run dir}/weights-rank{N}.json`` at the end: this rank's host and a sha256 of its weights."""
+
+    def on_train_end(self, trainer, pl_module):
+        import hashlib
+        import socket
+
+        digest = hashlib.sha256()
+        for name, tensor in sorted(pl_module.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, f"weights-rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"host": socket.gethostname(), "rank": trainer.global_rank, "node_rank": trainer.node_rank,
+                       "sha256": digest.hexdigest()}, f)

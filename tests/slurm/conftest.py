@@ -1,6 +1,7 @@
 """A real single-node Slurm cluster for the ``slurm`` tests, started once per session (tests/slurm/cluster.py)."""
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +32,29 @@ def slurm(tmp_path_factory):
     env.update(PYTHONPATH=str(REPO), LIT_DIST=str(Path(sys.executable).parent / "lit-dist"))
     try:
         yield env
+    finally:
+        subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True)
+        cluster.stop(folder)
+
+
+@pytest.fixture(scope="session")
+def slurm_nodes(tmp_path_factory):
+    """(clients' environment, cluster folder) of a running two-node cluster emulated with network namespaces."""
+    problem = cluster.install()
+    if problem:
+        pytest.skip(problem)
+    if not all(shutil.which(tool) for tool in ("ip", "nsenter", "unshare")):
+        pytest.skip("emulating nodes needs ip, nsenter and unshare")
+    folder = tmp_path_factory.mktemp("slurm-nodes")
+    try:
+        env = cluster.start(folder, nodes=2, port=7017)
+    except Exception:
+        cluster.stop(folder)
+        raise
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    env.update(PYTHONPATH=str(REPO), LIT_DIST=str(Path(sys.executable).parent / "lit-dist"), GLOO_SOCKET_IFNAME="eth0")
+    try:
+        yield env, folder
     finally:
         subprocess.run(["scancel", "--user", "root"], env=env, capture_output=True)
         cluster.stop(folder)

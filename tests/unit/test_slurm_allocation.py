@@ -25,6 +25,15 @@ def test_unset_devices_and_nodes_come_from_the_allocation():
     assert filled == ["trainer.devices 4 (Slurm tasks per node)", "trainer.num_nodes 2 (Slurm nodes)"]
 
 
+def test_torchrun_layout_fills_nodes_and_devices_too():
+    trainer = {"devices": "auto", "num_nodes": 1}
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "RANK": "2"}
+    assert check_allocation(trainer, env) == ["trainer.devices 2 (torchrun processes per node)",
+                                              "trainer.num_nodes 2 (torchrun nodes)"]
+    with pytest.raises(ConfigError, match="trainer.devices: 1 but torchrun runs 2 processes per node \\(--nproc-per-node\\)"):
+        check_allocation({"devices": 1, "num_nodes": 2}, env)
+
+
 def test_outside_slurm_nothing_changes():
     trainer = {"devices": "auto", "num_nodes": 1}
     assert check_allocation(trainer, {}) == [] and trainer == {"devices": "auto", "num_nodes": 1}

@@ -1,0 +1,45 @@
+"""Two emulated nodes (network namespaces, each with its own host name and address): DDP across
+them under ``srun -N2``, and under ``torchrun --nnodes=2`` without Slurm."""
+
+import json
+import subprocess
+
+from tests.conftest import CONFIGS, REPO
+from tests.slurm import cluster
+
+COMMON = ["--config", str(CONFIGS / "quickstart.yaml"), "--data.batch_size_per_device", "8", "--data.num_workers", "0",
+          "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false",
+          "--trainer.callbacks+=tests.helpers.recorder.WeightsDigest"]
+
+
+def digests(run_dir) -> list[dict]:
+    return [json.loads((run_dir / f"weights-rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_srun_on_two_nodes_trains_with_both_and_ends_with_the_same_weights(slurm_nodes, tmp_path, demo_data):
+    env, _ = slurm_nodes
+    out = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", env["LIT_DIST"], "fit", *COMMON,
+                          "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path), "--run.run_id", "two-nodes"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "trainer.num_nodes 2 (Slurm nodes)" in out.stdout
+    ranks = digests(tmp_path / "quickstart" / "two-nodes")
+    assert {r["host"] for r in ranks} == {"node1", "node2"} and {r["node_rank"] for r in ranks} == {0, 1}
+    assert ranks[0]["sha256"] == ranks[1]["sha256"], "the two nodes ended with different weights"
+
+
+def test_torchrun_across_two_nodes_without_slurm(slurm_nodes, tmp_path, demo_data):
+    env, folder = slurm_nodes
+    env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    procs = []
+    for node in (1, 2):
+        command = (f"exec {REPO}/.venv/bin/torchrun --nnodes=2 --nproc-per-node=1 --node-rank={node - 1} "
+                   f"--master-addr=node1 --master-port=29517 --rdzv-id=job7 -m lit_dist fit {' '.join(COMMON)} "
+                   f"--data.metadata {demo_data} --run.root_dir {tmp_path}")
+        procs.append(subprocess.Popen(cluster.node_command(folder, node, command), cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    ranks = digests(tmp_path / "quickstart" / "torchrun-job7")
+    assert {r["host"] for r in ranks} == {"node1", "node2"}
+    assert ranks[0]["sha256"] == ranks[1]["sha256"]
