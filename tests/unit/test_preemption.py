@@ -47,6 +47,32 @@ def test_sigusr1_saves_at_the_next_step_and_the_resumed_run_is_the_same_run(tmp_
         assert torch.equal(a, b), f"{name} differs after the preemption"
 
 
+def test_the_preemption_reaches_the_webhooks_as_run_preempted_not_run_failed(tmp_path, demo_data, monkeypatch):
+    from lit_dist.callbacks.webhooks import WebhookNotifier, WebhookSink
+    from tests.helpers.http_server import Recorder
+
+    server = Recorder()
+    monkeypatch.setenv("HOOK_URL", server.url("/hook"))
+    try:
+        seed_everything(0)
+        model = LitModel(DropoutCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+        dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0)
+        callbacks = [SignalAtStep(3), WebhookNotifier([WebhookSink(kind="raw", url_env="HOOK_URL")]), Preemption(),
+                     Checkpointing(dirpath=str(tmp_path / "ckpt"), every_n_epochs=None)]
+        trainer = Trainer(max_steps=10, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path)
+        with pytest.raises(Preempted):
+            trainer.fit(model, dm)
+        events = {e["type"]: e for e in server.bodies("/hook")}
+    finally:
+        server.shutdown()
+    assert "run.failed" not in events
+    preempted = events["run.preempted"]
+    assert preempted["data"]["step"] == 3 and preempted["data"]["signal"] == "SIGUSR1"
+    assert preempted["data"]["checkpoint"].endswith(checkpoint_name(3))
+    assert events["checkpoint.saved"]["data"]["reason"] == "preemption"
+
+
 def test_unknown_signal_names_are_a_config_error():
     with pytest.raises(ConfigError, match="preemption.signals: 'SIGNOPE'"):
         Preemption(signals=["SIGNOPE"])
