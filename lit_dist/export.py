@@ -36,19 +36,10 @@ def to_full_precision(state: dict) -> dict:
 
 def save_atomically(state: dict, path: str) -> None:
     """torch.save to a temporary file in the same folder, fsync, rename: never a torn file at ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from lit_dist.ckpt.files import filesystem, write_atomically
+
+    fs, fs_path = filesystem(os.path.abspath(path))
+    write_atomically(fs, fs_path, lambda f: torch.save(state, f))
 
 
 def lit_dist_checkpoint(path: str) -> str | None:

@@ -41,15 +41,15 @@ import socket
 import time
 import uuid
 
-import numpy as np
-import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_dist.ckpt.files import FileEntry, hash_file, write_bytes_atomically
 from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.snapshot import Background, Snapshot
-from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
+from lit_dist.ckpt.state import as_next_epoch_start, rank_zero_writes, rng_state, set_rng_state
+from lit_dist.ckpt.store import MARKER, PROBE, STATE, CheckpointStore, checkpoint_name
+from lit_dist.distributed import agree_any, all_gather_object
 from lit_dist.errors import CheckpointError, ConfigError
 from lit_dist.run import RUN_ID_ENV, process_age_s
 
@@ -148,9 +148,9 @@ class Checkpointing(Checkpoint):
         """What to load: ``auto`` is the newest usable checkpoint or None; a checkpoint folder is verified."""
         if ckpt_path is None:
             return None
+        store = self.store(trainer) if trainer is not None else self._store
         if ckpt_path != "auto":
-            return self._explicit(ckpt_path)
-        store = self.store(trainer)
+            return self._explicit(ckpt_path, store)
         name, skipped = store.find_valid(self.verify_checksums)
         for bad, problem in skipped:
             rank_zero_warn(f"lit-dist: checkpoint {store.url_of(bad)} is unusable: {problem}; "
@@ -167,7 +167,7 @@ class Checkpointing(Checkpoint):
         rank_zero_info(f"lit-dist: resuming from {store.url_of(name)} (step {store.manifest(name).get('step')})")
         return store.url_of(name, STATE)
 
-    def _explicit(self, ckpt_path: str) -> str:
+    def _explicit(self, ckpt_path: str, own: CheckpointStore | None) -> str:
         """A lit-dist checkpoint folder (or its state.ckpt) is verified first; anything else goes to Lightning as is."""
         path = ckpt_path.rstrip("/")
         folder = path.rsplit("/", 1)[0] if path.endswith("/" + STATE) else path
@@ -179,7 +179,7 @@ class Checkpointing(Checkpoint):
         if problem:
             raise CheckpointError(f"ckpt_path: {ckpt_path} is unusable: {problem}. Pick another checkpoint, or "
                                   "ckpt_path: auto for the newest usable one.")
-        if self._store is not None and store.url == self._store.url:
+        if own is not None and store.root == own.root:  # rotation must keep it
             self.resumed_from = name
         return store.url_of(name, STATE)
 
@@ -189,11 +189,11 @@ class Checkpointing(Checkpoint):
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
         store = self.store(trainer)
-        if not store.local and not _rank_zero_writes(trainer.strategy):
+        if not store.local and not rank_zero_writes(trainer.strategy):
             raise ConfigError(f"checkpoint.dirpath: {store.url} is an object store, where the sharded checkpoints of "
                               f"{type(trainer.strategy).__name__} cannot be written; use a shared filesystem path, or "
                               "a strategy whose checkpoint rank 0 writes (ddp; fsdp2 with save_distributed_checkpoint: false)")
-        if self.async_save and not _rank_zero_writes(trainer.strategy):
+        if self.async_save and not rank_zero_writes(trainer.strategy):
             rank_zero_warn(f"lit-dist: checkpoint.async_save is for strategies where rank 0 writes the whole checkpoint; "
                            f"{type(trainer.strategy).__name__} saves synchronously")
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO stays
@@ -212,7 +212,7 @@ class Checkpointing(Checkpoint):
         """Every rank must see what rank 0 writes, and resume from the same checkpoint; else fail before training."""
         store = self._store
         token = trainer.strategy.broadcast(uuid.uuid4().hex)
-        probe = store.path(f".probe-{token}")
+        probe = store.path(f"{PROBE}{token}")
         if trainer.is_global_zero:
             write_bytes_atomically(store.fs, probe, token.encode())
         trainer.strategy.barrier("lit-dist-checkpoint-probe")
@@ -221,7 +221,7 @@ class Checkpointing(Checkpoint):
                 sees = f.read().decode() == token
         except OSError:
             sees = False
-        reports = _all_gather_object(trainer, (trainer.global_rank, socket.gethostname(), sees, self.resumed_from))
+        reports = all_gather_object(trainer, (trainer.global_rank, socket.gethostname(), sees, self.resumed_from))
         if trainer.is_global_zero:
             store.fs.rm(probe)
         blind = [f"rank {rank} on {host}" for rank, host, seen, _ in reports if not seen]
@@ -240,7 +240,7 @@ class Checkpointing(Checkpoint):
         # As late as possible: whatever ran since the checkpoint was loaded must not shift the streams.
         if self._rng is not None:
             if len(self._rng) == trainer.world_size:
-                _set_rng_state(self._rng[trainer.global_rank])
+                set_rng_state(self._rng[trainer.global_rank])
             else:
                 rank_zero_warn(f"lit-dist: the checkpoint holds random states of {len(self._rng)} ranks and this run "
                                f"has {trainer.world_size}: random streams restart from the seed")
@@ -255,7 +255,7 @@ class Checkpointing(Checkpoint):
             rank_zero_info(f"lit-dist: first step after resuming (step {step}) done"
                            + (f" {age:.1f} s after the process started" if age is not None else ""))
         self._last_seen_step = step
-        # Epoch saves happen here, after the epoch's last batch (see _as_next_epoch_start).
+        # Epoch saves happen here, after the epoch's last batch (see lit_dist.ckpt.state.as_next_epoch_start).
         last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         epochs_done = trainer.current_epoch + 1
         reason = None
@@ -268,7 +268,7 @@ class Checkpointing(Checkpoint):
             reason = "end"
         if self.every_n_minutes and step % self.check_every_n_steps == 0:
             late = time.monotonic() - self._last_save_time >= self.every_n_minutes * 60
-            if _agree_any(trainer, late):
+            if agree_any(trainer, late):
                 reason = reason or "time"
         if reason:
             self.save(trainer, reason)
@@ -303,9 +303,9 @@ class Checkpointing(Checkpoint):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # Every rank's streams, gathered into the one file rank 0 writes (a collective: every rank gets here).
-        checkpoint["lit_dist"] = {"rng": _all_gather_object(trainer, _rng_state())}
+        checkpoint["lit_dist"] = {"rng": all_gather_object(trainer, rng_state())}
         if trainer.training and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and "loops" in checkpoint:
-            _as_next_epoch_start(checkpoint["loops"]["fit_loop"])
+            as_next_epoch_start(checkpoint["loops"]["fit_loop"])
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         self._rng = (checkpoint.get("lit_dist") or {}).get("rng")
@@ -327,9 +327,9 @@ class Checkpointing(Checkpoint):
         info = {"step": step, "epoch": trainer.current_epoch, "reason": reason, "world_size": trainer.world_size,
                 "strategy": type(trainer.strategy).__name__, "run_id": os.environ.get(RUN_ID_ENV), "metric": metric}
         target = "/".join([store.staging(name), STATE]) if store.local else store.url_of(name, STATE)
-        rank_zero_writes = _rank_zero_writes(trainer.strategy)
+        whole_on_rank_zero = rank_zero_writes(trainer.strategy)
         started = time.monotonic()
-        if self.async_save and rank_zero_writes:
+        if self.async_save and whole_on_rank_zero:
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             if trainer.is_global_zero:
                 state = self._snapshot.take(checkpoint)
@@ -345,13 +345,13 @@ class Checkpointing(Checkpoint):
         try:
             if trainer.is_global_zero:
                 store.begin(name)
-            if not rank_zero_writes:
+            if not whole_on_rank_zero:
                 trainer.strategy.barrier("lit-dist-checkpoint-begin")  # the folder is fresh before any rank writes
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             trainer.strategy.save_checkpoint(checkpoint, target)
         except Exception as exc:  # agreed on below, so that no rank waits for one that gave up
             error = exc
-        files = self._files(trainer, name, target, rank_zero_writes)
+        files = self._files(trainer, name, target, whole_on_rank_zero)
         if trainer.is_global_zero and error is None:
             try:
                 self._finish(trainer, name, files, info, started)
@@ -359,11 +359,11 @@ class Checkpointing(Checkpoint):
                 error = exc
         self._agree_saved(trainer, name, error)
 
-    def _files(self, trainer, name: str, target: str, rank_zero_writes: bool) -> dict[str, FileEntry]:
+    def _files(self, trainer, name: str, target: str, whole_on_rank_zero: bool) -> dict[str, FileEntry]:
         """Every file of the checkpoint with its size and sha256, on rank 0 (collective for sharded strategies)."""
         written = self._io.written.pop(target, None)
         files = {STATE: written} if written else {}
-        if rank_zero_writes:
+        if whole_on_rank_zero:
             if trainer.is_global_zero and not files:  # a CheckpointIO of the user's own wrote it
                 fs, path = self._store.fs, target if self._store.local else self._store.path(name, STATE)
                 files = {STATE: hash_file(fs, path, fsync=True)}
@@ -373,12 +373,12 @@ class Checkpointing(Checkpoint):
         store = self._store
         staging = store.staging(name)
         listing = [os.path.relpath(os.path.join(folder, f), staging) for folder, _, names in os.walk(staging) for f in names]
-        everyone = _all_gather_object(trainer, (listing, files))
+        everyone = all_gather_object(trainer, (listing, files))
         known = {rel: entry for _, theirs in everyone for rel, entry in theirs.items()}
         todo = sorted({rel for seen, _ in everyone for rel in seen} - set(known) - {MARKER})
         mine = {rel: hash_file(store.fs, os.path.join(staging, rel), fsync=True)
                 for rel in todo[trainer.global_rank :: trainer.world_size]}
-        for part in _all_gather_object(trainer, mine):
+        for part in all_gather_object(trainer, mine):
             known.update(part)
         return known
 
@@ -408,7 +408,7 @@ class Checkpointing(Checkpoint):
         self._agree_saved(trainer, checkpoint_name(self._last_saved_step), error)
 
     def _agree_saved(self, trainer, name: str, error: BaseException | None) -> None:
-        if _agree_any(trainer, error is not None):
+        if agree_any(trainer, error is not None):
             where = f": {type(error).__name__}: {error}" if error else " on another rank (see its log)"
             raise CheckpointError(f"saving checkpoint {name} in {self._store.url} failed{where}") from error
 
@@ -417,81 +417,3 @@ class Checkpointing(Checkpoint):
         """The state file of the checkpoint with the best monitored value ('' without one); Lightning's ``ckpt_path='best'``."""
         name = self._store.best(self.monitor, self.mode) if self.monitor and self._store is not None else None
         return self._store.url_of(name, STATE) if name else ""
-
-
-def _rank_zero_writes(strategy) -> bool:
-    """Whether rank 0 writes the whole checkpoint (else every rank writes a part)."""
-    from lightning.pytorch.strategies import (
-        DDPStrategy,
-        FSDPStrategy,
-        ModelParallelStrategy,
-        SingleDeviceStrategy,
-    )
-
-    if "deepspeed" in type(strategy).__name__.lower():
-        return False
-    if isinstance(strategy, ModelParallelStrategy):
-        return not strategy._save_distributed_checkpoint
-    if isinstance(strategy, FSDPStrategy):
-        return strategy._state_dict_type == "full"
-    return isinstance(strategy, (DDPStrategy, SingleDeviceStrategy))
-
-
-def _as_next_epoch_start(fit_loop: dict) -> None:
-    """Turn Lightning's loop counters, saved after the last batch of an epoch, into those of the next epoch's start.
-
-    Lightning 2.6 restores a checkpoint taken after an epoch's last batch (or in on_train_epoch_end)
-    as a restart inside that epoch and, depending on the data loader, counts the epoch twice: the
-    resumed run trains one epoch less. The weights, optimizer and step count are the same at the
-    start of the next epoch, and that state Lightning resumes as a plain start.
-    """
-    for part in fit_loop["epoch_progress"].values():
-        part.update(dict.fromkeys(part, part["ready"]))  # this epoch ready, started, processed, completed
-    per_epoch = [fit_loop["epoch_loop.batch_progress"], fit_loop["epoch_loop.scheduler_progress"],
-                 fit_loop["epoch_loop.manual_optimization.optim_step_progress"],
-                 *fit_loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"].values()]
-    for progress in per_epoch:
-        progress["current"] = dict.fromkeys(progress["current"], 0)
-    batches = fit_loop["epoch_loop.batch_progress"]
-    batches["total"]["completed"] = batches["total"]["processed"]  # the last batch counts as completed
-    batches["is_last_batch"] = False
-
-
-def _agree_any(trainer, flag: bool) -> bool:
-    """True on every rank if ``flag`` is true on any rank: one small all-reduce (none on a single process)."""
-    if trainer.world_size == 1:
-        return flag
-    tensor = torch.tensor([1.0 if flag else 0.0], device=trainer.strategy.root_device)
-    return float(trainer.strategy.reduce(tensor, reduce_op="max")) > 0
-
-
-def _all_gather_object(trainer, obj) -> list:
-    if trainer.world_size == 1:
-        return [obj]
-    gathered = [None] * trainer.world_size
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
-
-
-def _rng_state() -> dict:
-    """This process's random streams, in types that ``torch.load(weights_only=True)`` accepts."""
-    import random
-
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    import random
-
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

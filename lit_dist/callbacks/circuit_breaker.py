@@ -39,6 +39,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_dist.distributed import agree_any
 from lit_dist.errors import ExitCode, LitDistError
 
 log = logging.getLogger(__name__)
@@ -238,8 +239,7 @@ class GPUCircuitBreaker(Callback):
             self._reported = True  # the rank that saw it reports it, first
             self._webhook("gpu.fault", "critical", f"GPU {self.index} fault", self.fault)
         if trainer.global_step % self.check_every_n_steps == 0:
-            flag = torch.tensor([1.0 if self.fault else 0.0], device=pl_module.device)
-            if float(trainer.strategy.reduce(flag, reduce_op="max")) > 0:
+            if agree_any(trainer, bool(self.fault)):
                 self._stop_run(trainer)
         if self.last is not None and trainer.global_step % trainer.log_every_n_steps == 0:
             values = {"gpu/temperature_c": self.last.temperature_c, "gpu/power_w": self.last.power_w,

@@ -29,6 +29,7 @@ import time
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lit_dist.distributed import agree_any
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.slurm import job_id, requeue
 
@@ -80,9 +81,9 @@ class Preemption(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step % self.check_every_n_steps:
             return
-        from lit_dist.callbacks.checkpoint import Checkpointing, _agree_any
+        from lit_dist.callbacks.checkpoint import Checkpointing
 
-        if not _agree_any(trainer, self.received is not None):
+        if not agree_any(trainer, self.received is not None):
             return
         started = time.monotonic()
         checkpointing = next((c for c in trainer.callbacks if isinstance(c, Checkpointing)), None)

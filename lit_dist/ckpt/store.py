@@ -29,6 +29,7 @@ LATEST = "latest"
 PREFIX = "step-"
 PARTIAL = ".partial-"
 TRASH = ".deleting-"
+PROBE = ".probe-"  # written by rank 0 at the start, read by every rank: is the folder shared?
 FORMAT = 1
 _DELETER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-delete")
 
@@ -179,8 +180,12 @@ class CheckpointStore:
         removed = []
         if self.local:
             for entry in os.listdir(self.root):
-                if entry.startswith((PARTIAL, TRASH)):
-                    shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
+                if entry.startswith((PARTIAL, TRASH, PROBE)):
+                    path = os.path.join(self.root, entry)
+                    if os.path.isdir(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        os.unlink(path)
                     removed.append(entry)
                 elif entry.startswith(".") and ".tmp-" in entry:
                     os.unlink(os.path.join(self.root, entry))

@@ -71,9 +71,10 @@ def _wait(check, what: str, timeout_s: float = 30) -> None:
         time.sleep(0.1)
 
 
-def _start_munge() -> None:
+def _start_munge() -> bool:
+    """Start munged unless it runs; whether this call started it (then ``stop`` ends it too)."""
     if MUNGE_PID.exists() and _alive(int(MUNGE_PID.read_text().split()[0])):
-        return
+        return False
     key = Path("/etc/munge/munge.key")
     if not key.exists():
         subprocess.run(["mungekey", "--create", "--force"], check=True)
@@ -83,6 +84,7 @@ def _start_munge() -> None:
     shutil.chown(MUNGE_PID.parent, "munge", "munge")
     subprocess.run(["runuser", "-u", "munge", "--", "munged"], check=True)
     _wait(lambda: Path("/run/munge/munge.socket.2").exists(), "munged")
+    return True
 
 
 def _node_hardware() -> str:
@@ -174,7 +176,8 @@ def start(folder: Path, nodes: int = 1, port: int = 6917) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     conf = write_config(folder, nodes, port)
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    _start_munge()
+    if _start_munge():
+        shutil.copy(MUNGE_PID, folder / "munged.pid")
     if nodes > 1:
         _make_nodes(folder, nodes)
     subprocess.run(["slurmctld", "-f", str(conf)], check=True, env=env)
@@ -193,8 +196,11 @@ def start(folder: Path, nodes: int = 1, port: int = 6917) -> dict:
 
 
 def stop(folder: Path) -> None:
-    """Stop the daemons whose pid files are in ``folder``; remove the namespaces and bridge start made."""
-    for pid_file in sorted(folder.glob("slurm*.pid")):
+    """Stop the daemons whose pid files are in ``folder`` (munged only if ``start`` started it); remove
+    the namespaces and bridge ``start`` made."""
+    # The controller last: slurmd reports to it while stopping. munged only if this cluster started it.
+    pid_files = sorted(folder.glob("slurmd*.pid")) + [folder / "slurmctld.pid", folder / "munged.pid"]
+    for pid_file in pid_files:
         try:
             pid = int(pid_file.read_text().split()[0])
         except (ValueError, IndexError, FileNotFoundError):
