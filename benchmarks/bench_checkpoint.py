@@ -60,7 +60,7 @@ class Measure(Callback):
         os.sync()
         start = time.perf_counter()
         if kind == "bare":
-            cb._settle(trainer)  # a previous asynchronous write must not overlap the baseline
+            cb.wait_for_save(trainer)  # a previous asynchronous write must not overlap the baseline
             os.sync()
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             path = os.path.join(self.folder, "bare.pt")

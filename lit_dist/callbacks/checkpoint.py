@@ -200,40 +200,49 @@ class Checkpointing(Checkpoint):
             trainer.strategy.checkpoint_io = self._io
         if stage != "fit":
             return
+        token = trainer.strategy.broadcast(uuid.uuid4().hex) if trainer.world_size > 1 else ""
+        probe = store.path(f"{PROBE}{token}")
+        unwritable = None
         if trainer.is_global_zero:
-            store.fs.makedirs(store.root, exist_ok=True)
-            for leftover in store.clean():
-                log.info("lit-dist: removed %s, left by an interrupted save", leftover)
+            try:  # caught: the other ranks must still reach the agreement below, not wait for rank 0 forever
+                store.fs.makedirs(store.root, exist_ok=True)
+                for leftover in store.clean():
+                    log.info("lit-dist: removed %s, left by an interrupted save", leftover)
+                if trainer.world_size > 1:
+                    write_bytes_atomically(store.fs, probe, token.encode())
+            except OSError as exc:
+                unwritable = f"{type(exc).__name__}: {exc}"
         if trainer.world_size > 1:
-            self._check_shared(trainer)
+            self._check_shared(trainer, probe, token, unwritable)
+        elif unwritable:
+            raise ConfigError(f"checkpoint.dirpath: cannot write to {store.url} ({unwritable})")
         self._last_save_time = time.monotonic()
 
-    def _check_shared(self, trainer) -> None:
-        """Every rank must see what rank 0 writes, and resume from the same checkpoint; else fail before training."""
+    def _check_shared(self, trainer, probe: str, token: str, unwritable: str | None) -> None:
+        """Every rank must see what rank 0 wrote, and resume from the same checkpoint; else fail before training."""
         store = self._store
-        token = trainer.strategy.broadcast(uuid.uuid4().hex)
-        probe = store.path(f"{PROBE}{token}")
-        if trainer.is_global_zero:
-            write_bytes_atomically(store.fs, probe, token.encode())
         trainer.strategy.barrier("lit-dist-checkpoint-probe")
         try:
             with store.fs.open(probe, "rb") as f:
                 sees = f.read().decode() == token
         except OSError:
             sees = False
-        reports = all_gather_object(trainer, (trainer.global_rank, socket.gethostname(), sees, self.resumed_from))
-        if trainer.is_global_zero:
+        reports = all_gather_object(trainer, (trainer.global_rank, socket.gethostname(), sees, self.resumed_from,
+                                              unwritable))
+        if trainer.is_global_zero and not unwritable:
             store.fs.rm(probe)
-        blind = [f"rank {rank} on {host}" for rank, host, seen, _ in reports if not seen]
+        if problem := reports[0][4]:
+            raise ConfigError(f"checkpoint.dirpath: rank 0 cannot write to {store.url} ({problem})")
+        blind = [f"rank {rank} on {host}" for rank, host, seen, *_ in reports if not seen]
         if blind:
             raise ConfigError(
                 f"checkpoint.dirpath: {store.url} is not shared: {', '.join(blind)} cannot see the files rank 0 writes "
                 "there. Runs on several nodes need run.root_dir and checkpoint.dirpath on a shared filesystem (NFS, "
                 "Lustre) or an object store (checkpoint.dirpath: s3://bucket/prefix/{run_id}).")
-        sources = {source for *_, source in reports}
+        sources = {source for _, _, _, source, _ in reports}
         if len(sources) > 1:
             raise CheckpointError("ranks would resume from different checkpoints ("
-                                  + ", ".join(f"rank {r}: {s or 'none'}" for r, _, _, s in reports)
+                                  + ", ".join(f"rank {r}: {s or 'none'}" for r, _, _, s, _ in reports)
                                   + f"); the checkpoint folder {store.url} changed while the run started. Start it again.")
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -287,7 +296,7 @@ class Checkpointing(Checkpoint):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.save_last:
             self.save(trainer, "end")  # only if training ended elsewhere than after a batch (e.g. early stopping)
-        self._settle(trainer)
+        self.wait_for_save(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         # Let a save in flight finish: it is complete or absent either way, but complete is better.
@@ -298,6 +307,7 @@ class Checkpointing(Checkpoint):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._background.wait(timeout_s=600)
+        CheckpointStore.wait_for_deletions()
 
     # -- state --------------------------------------------------------------------------------
 
@@ -317,7 +327,7 @@ class Checkpointing(Checkpoint):
         store = self.store(trainer)
         step = trainer.global_step
         name = checkpoint_name(step)
-        self._settle(trainer)
+        self.wait_for_save(trainer)
         if step == self._last_saved_step:
             if metric and trainer.is_global_zero:
                 store.set_metric(name, metric)  # validation right after a step save: same weights
@@ -400,7 +410,7 @@ class Checkpointing(Checkpoint):
                             {"step": manifest["step"], "epoch": manifest["epoch"], "path": self.last_path,
                              "bytes": size, "seconds": round(seconds, 3), "reason": manifest["reason"]})
 
-    def _settle(self, trainer) -> None:
+    def wait_for_save(self, trainer) -> None:
         """Wait for the save in flight; every rank learns whether it failed (a collective when saving asynchronously)."""
         if not self.async_save:
             return

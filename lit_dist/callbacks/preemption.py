@@ -59,6 +59,7 @@ class Preemption(Callback):
         self.received: str | None = None
         self.received_at: float | None = None
         self._previous: dict = {}
+        self._last_step = 0
 
     def _handler(self, signum, frame) -> None:
         # Only a flag: anything more (I/O, collectives) could run in the middle of a CUDA call or a collective.
@@ -79,8 +80,11 @@ class Preemption(Callback):
         self._previous.clear()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.check_every_n_steps:
+        step = trainer.global_step
+        # Only right after an optimizer step: a save between accumulated micro-batches would lose their gradients.
+        if step == self._last_step or step % self.check_every_n_steps:
             return
+        self._last_step = step
         from lit_dist.callbacks.checkpoint import Checkpointing
 
         if not agree_any(trainer, self.received is not None):
@@ -89,7 +93,7 @@ class Preemption(Callback):
         checkpointing = next((c for c in trainer.callbacks if isinstance(c, Checkpointing)), None)
         if checkpointing is not None:
             checkpointing.save(trainer, "preemption")
-            checkpointing._settle(trainer)
+            checkpointing.wait_for_save(trainer)
         saved = checkpointing.last_path if checkpointing is not None else None
         what = "not saved: no Checkpointing callback" if checkpointing is None else f"saved {saved}"
         if trainer.is_global_zero:

@@ -219,6 +219,11 @@ class CheckpointStore:
                   if (m := self.manifest(n).get("metric") or {}).get("name") == monitor and m.get("value") is not None]
         return min(scored)[1] if scored else None
 
+    @staticmethod
+    def wait_for_deletions() -> None:
+        """Block until the folders handed to the deletion thread are gone."""
+        _DELETER.submit(lambda: None).result()
+
     def _remove_tree(self, path: str) -> None:
         """Rename first: the folder leaves its name at once. The deletion itself (a tenth of a second
         per GB) runs on a thread; what a kill interrupts, ``clean`` removes at the next start."""

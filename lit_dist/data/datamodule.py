@@ -331,7 +331,8 @@ class BucketDataModule(LightningDataModule):
         # counts that batch as completed, and that batch must not be trained on twice.
         progress = trainer.fit_loop.epoch_loop.batch_progress
         if progress.is_last_batch:  # the epoch is done: resume at the start of the next one
-            return {"epoch": trainer.current_epoch + 1, "batches_done": 0}
+            # `started` counts the epochs begun: the next one's number, also after Lightning closed the epoch.
+            return {"epoch": trainer.fit_loop.epoch_progress.current.started, "batches_done": 0}
         return {"epoch": trainer.current_epoch, "batches_done": progress.current.processed}
 
     def load_state_dict(self, state: dict) -> None:

@@ -31,7 +31,7 @@ ARGS = ["fit", "--config", "configs/quickstart.yaml", "--model.net.class_path", 
 
 def train(root: str, metadata: str, async_save: bool, extra: list[str]) -> None:
     """The child: a real lit-dist fit that resumes with ckpt_path: auto and saves after every step."""
-    os.setsid()
+    os.setpgid(0, 0)  # its own process group (the parent does the same: whichever runs first)
     log = os.open(os.path.join(root, "child.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -77,9 +77,15 @@ def main(root: str, metadata: str, kills: int, seed: int, url: str | None = None
         pid = os.fork()
         if pid == 0:
             train(root, metadata, round % 3 == 2, extra)
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass  # the child did it first
         deadline = time.monotonic() + 60
         # An object store shows no upload in progress: there, every kill is at a random moment.
         if round % 2 and store.local:  # wait for a save to start, then kill a random moment into it
+            while saving(folder) and time.monotonic() < deadline:
+                time.sleep(0.0005)  # what the last kill left is not this run's save: it cleans that first
             while not saving(folder) and time.monotonic() < deadline:
                 time.sleep(0.0005)
             time.sleep(rng.uniform(0, 0.05))

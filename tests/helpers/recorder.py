@@ -62,3 +62,14 @@ class WeightsDigest(Callback):
         with open(os.path.join(run_dir, f"weights-rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"host": socket.gethostname(), "rank": trainer.global_rank, "node_rank": trainer.node_rank,
                        "sha256": digest.hexdigest()}, f)
+
+
+class StopAfterEpoch(Callback):
+    """Stops training when epoch ``epoch`` ends, as early stopping does."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch >= self.epoch:
+            trainer.should_stop = True

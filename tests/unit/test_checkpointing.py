@@ -176,3 +176,14 @@ def test_every_n_minutes_saves_when_the_time_has_come_at_agreed_steps(tmp_path, 
                      save_last=False, keep_last_n=5)
     assert store.names() == [checkpoint_name(s) for s in (12, 8, 4)]
     assert {store.manifest(n)["reason"] for n in store.names()} == {"time"}
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_a_config_error_before_training(tmp_path, demo_data):
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(ConfigError, match="checkpoint.dirpath: cannot write to .*a-file/ckpt"):
+        seed_everything(0)
+        model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+        dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0)
+        trainer = Trainer(max_steps=2, logger=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                          callbacks=[Checkpointing(dirpath=str(tmp_path / "a-file" / "ckpt"))])
+        trainer.fit(model, dm)

@@ -9,10 +9,10 @@ from lit_dist.ckpt.store import STATE
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.module import LitModel
 from tests.helpers.nets import DropoutCNN
-from tests.helpers.recorder import StopAtStep
+from tests.helpers.recorder import StopAfterEpoch, StopAtStep
 
 
-def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True):
+def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True, stop_after_epoch=None):
     seed_everything(0)
     model = LitModel(DropoutCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
@@ -20,7 +20,8 @@ def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True):
     if not restore_rng:
         checkpointing.on_load_checkpoint = lambda *args: None
     trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[checkpointing] + ([StopAtStep(stop)] if stop else []),
+                      callbacks=[checkpointing] + ([StopAtStep(stop)] if stop else [])
+                      + ([StopAfterEpoch(stop_after_epoch)] if stop_after_epoch is not None else []),
                       num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root)
     ckpt_path = checkpointing.resolve_ckpt_path(trainer, "auto") if resume else None
     trainer.fit(model, dm, ckpt_path=ckpt_path)
@@ -33,14 +34,18 @@ def steps_per_epoch(demo_data) -> int:
     return len(dm.train_sampler(1, 0))
 
 
-@pytest.mark.parametrize("where", ["mid-epoch-0", "end-of-epoch-0", "mid-epoch-1"])
+@pytest.mark.parametrize("where", ["mid-epoch-0", "end-of-epoch-0", "mid-epoch-1", "early-stop-after-epoch-0"])
 def test_resume_matches_an_uninterrupted_run_bitwise(tmp_path, demo_data, where):
     per_epoch = steps_per_epoch(demo_data)
-    stop = {"mid-epoch-0": per_epoch // 2, "end-of-epoch-0": per_epoch, "mid-epoch-1": per_epoch + per_epoch // 2}[where]
+    stop = {"mid-epoch-0": per_epoch // 2, "end-of-epoch-0": per_epoch, "mid-epoch-1": per_epoch + per_epoch // 2,
+            "early-stop-after-epoch-0": per_epoch}[where]
     end = 2 * per_epoch + 3  # ends inside epoch 2
     straight, trainer, _ = run(tmp_path / "a", demo_data, max_steps=end)
     assert trainer.global_step == end
-    _, stopped, checkpointing = run(tmp_path / "b", demo_data, max_steps=end, stop=stop)
+    # Early stopping ends the run after the epoch closed: the checkpoint is written in on_train_end.
+    early = where.startswith("early")
+    _, stopped, checkpointing = run(tmp_path / "b", demo_data, max_steps=end, stop=None if early else stop,
+                                    stop_after_epoch=0 if early else None)
     assert stopped.global_step == stop
     saved = torch.load(f"{checkpointing.last_path}/{STATE}", weights_only=True)  # no pickled objects needed
     position = {"epoch": stop // per_epoch, "batches_done": stop % per_epoch}
