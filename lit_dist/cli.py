@@ -115,11 +115,14 @@ class LitDistCLI(LightningCLI):
 
     @staticmethod
     def _fit_slurm_allocation(config) -> None:
-        """Under Slurm or torchrun: devices and nodes from the launch (or a clear refusal); no Lightning auto-requeue."""
+        """Under Slurm, torchrun or the DeepSpeed launcher: devices and nodes from the launch (or a clear
+        refusal); under Slurm, no Lightning auto-requeue."""
         from jsonargparse import Namespace
 
         from lit_dist.slurm import check_allocation, in_slurm_step
 
+        if os.environ.get("CROSS_RANK") and "NODE_RANK" not in os.environ:
+            os.environ["NODE_RANK"] = os.environ["CROSS_RANK"]  # the DeepSpeed launcher's name for it; Lightning reads NODE_RANK
         filled = check_allocation(config.trainer)
         if filled and os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0":
             print(f"lit-dist: from the launcher: {', '.join(filled)}", flush=True)
@@ -228,9 +231,28 @@ def _user_error(exc: BaseException | None) -> LitDistError | None:
     return None
 
 
+def _drop_local_rank(argv: list[str]) -> list[str]:
+    """Remove ``--local_rank N``, which the DeepSpeed launcher and torch.distributed.launch add to the command
+    line; it is also in the LOCAL_RANK variable, where Lightning reads it."""
+    kept, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name, _, value = arg.partition("=")
+        if name in ("--local_rank", "--local-rank"):
+            if not value and i + 1 < len(argv):
+                value, skip = argv[i + 1], True
+            os.environ.setdefault("LOCAL_RANK", value)
+            continue
+        kept.append(arg)
+    return kept
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-dist`` console script."""
-    argv = sys.argv[1:] if args is None else args
+    argv = _drop_local_rank(sys.argv[1:] if args is None else args)
+    args = argv
     try:
         _silence_lightning_noise()
         code = _dispatch(argv)

@@ -32,11 +32,15 @@ def tasks_per_node(environ: dict) -> list[int]:
 
 
 def launcher_layout(environ: dict) -> tuple[str, int, list[int]] | None:
-    """(launcher, nodes, processes per node) from Slurm's or torchrun's environment; None without either."""
+    """(launcher, nodes, processes per node) from the environment Slurm, the DeepSpeed launcher or torchrun
+    gives each process; None without one of them."""
     if in_slurm_step(environ):
         per_node = tasks_per_node(environ)
         nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 1)
         return "Slurm", nodes, per_node or [int(environ.get("SLURM_NTASKS", 1)) // max(nodes, 1)]
+    if environ.get("CROSS_SIZE") and environ.get("LOCAL_SIZE") and environ.get("LOCAL_RANK") is not None:
+        nodes = int(environ["CROSS_SIZE"])
+        return "DeepSpeed launcher", nodes, [int(environ["LOCAL_SIZE"])] * nodes
     if environ.get("LOCAL_WORLD_SIZE") and environ.get("WORLD_SIZE") and environ.get("GROUP_RANK") is not None:
         local, world = int(environ["LOCAL_WORLD_SIZE"]), int(environ["WORLD_SIZE"])
         return "torchrun", max(world // local, 1), [local] * max(world // local, 1)
@@ -44,7 +48,9 @@ def launcher_layout(environ: dict) -> tuple[str, int, list[int]] | None:
 
 
 _HOW = {"Slurm": ("tasks per node", "--ntasks-per-node", "the Slurm job step has", "submit with --nodes="),
-        "torchrun": ("processes per node", "--nproc-per-node", "torchrun runs on", "start torchrun with --nnodes=")}
+        "torchrun": ("processes per node", "--nproc-per-node", "torchrun runs on", "start torchrun with --nnodes="),
+        "DeepSpeed launcher": ("processes per node", "--num_gpus", "the DeepSpeed launcher runs on",
+                               "start it with --num_nodes=")}
 
 
 def check_allocation(trainer: dict, environ: dict | None = None) -> list[str]:

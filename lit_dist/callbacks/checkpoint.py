@@ -40,6 +40,7 @@ import os
 import socket
 import time
 import uuid
+from typing import Literal
 
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -68,7 +69,7 @@ class Checkpointing(Checkpoint):
         save_last: bool = True,
         keep_last_n: int = 3,
         monitor: str | None = None,
-        mode: str = "min",
+        mode: Literal["min", "max"] = "min",
         keep_best_k: int = 1,
         async_save: bool = False,
         verify_checksums: bool = True,

@@ -1,0 +1,40 @@
+"""lit-dist started by other launchers than Lightning's own: torchrun and the DeepSpeed launcher on one
+machine (2 CPU processes). Each process finds the layout in its environment; nothing else is set."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIGS, REPO
+
+pytestmark = pytest.mark.distributed
+BIN = Path(sys.executable).parent
+COMMON = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.batch_size_per_device", "8",
+          "--data.num_workers", "0", "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
+          "--trainer.strategy", "ddp", "--export.filename", "null"]
+
+
+def check(out: subprocess.CompletedProcess, launcher: str) -> None:
+    output = out.stdout + out.stderr
+    assert out.returncode == 0, output[-3000:]
+    assert f"trainer.devices 2 ({launcher} processes per node)" in output
+    assert "effective batch 16 = 8 per device x 2 devices" in output and "fit finished" in output
+
+
+def test_torchrun_on_one_machine(tmp_path, demo_data):
+    out = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node=2", "--master-port=29531", "-m", "lit_dist", *COMMON,
+                          "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    check(out, "torchrun")
+
+
+@pytest.mark.skipif(not shutil.which("deepspeed", path=str(BIN)), reason="DeepSpeed is not installed")
+def test_the_deepspeed_launcher_on_one_machine(tmp_path, demo_data):
+    # It adds --local_rank=N to the command line, which lit-dist takes from LOCAL_RANK instead.
+    out = subprocess.run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29533", "--module", "lit_dist",
+                          *COMMON, "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path),
+                          "--run.run_id", "ds"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    check(out, "DeepSpeed launcher")
