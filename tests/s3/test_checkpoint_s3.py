@@ -55,3 +55,19 @@ def test_killed_uploads_never_leave_a_checkpoint_that_passes_for_complete(s3, tm
     summary = json.loads(out.stdout.splitlines()[-1])
     assert summary["kills"] == 8 and summary["problems"] == [], summary
     assert summary["checkpoints_seen"] >= 1, "no checkpoint was completed between kills"
+
+
+def test_stopped_and_resumed_through_s3_ends_bitwise_equal_to_an_uninterrupted_run(s3, tmp_path, demo_data):
+    import torch
+
+    from tests.unit.test_resume import run, steps_per_epoch
+
+    url, options = f"s3://{s3.bucket}/bitwise", {"client_kwargs": {"endpoint_url": s3.endpoint}}
+    per_epoch = steps_per_epoch(demo_data)
+    stop, end = per_epoch // 2, per_epoch + 3
+    straight, _, _ = run(tmp_path / "a", demo_data, max_steps=end)
+    run(tmp_path / "b", demo_data, max_steps=end, stop=stop, dirpath=url, storage_options=options)
+    resumed, _, again = run(tmp_path / "b", demo_data, max_steps=end, resume=True, dirpath=url, storage_options=options)
+    assert again.resumed_from == checkpoint_name(stop) and again.last_path.startswith(url)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), f"{name} differs after a resume from S3"

@@ -12,11 +12,12 @@ from tests.helpers.nets import DropoutCNN
 from tests.helpers.recorder import StopAfterEpoch, StopAtStep
 
 
-def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True, stop_after_epoch=None):
+def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True, stop_after_epoch=None,
+        dirpath=None, storage_options=None):
     seed_everything(0)
     model = LitModel(DropoutCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
-    checkpointing = Checkpointing(dirpath=str(root / "ckpt"), every_n_epochs=None)
+    checkpointing = Checkpointing(dirpath=dirpath or str(root / "ckpt"), every_n_epochs=None, storage_options=storage_options)
     if not restore_rng:
         checkpointing.on_load_checkpoint = lambda *args: None
     trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
