@@ -41,7 +41,33 @@ def resolve_run_id(run_id: str | None, environ: dict | None = None) -> str:
         return f"slurm-{env['SLURM_JOB_ID']}"
     if env.get("TORCHELASTIC_RUN_ID", "none") != "none":
         return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
+    if env.get("LOCAL_RANK") is not None and (launcher := _launcher_id(env)):
+        return launcher
     return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _launcher_id(env) -> str | None:
+    """For processes an external launcher started on this machine (torchrun without --rdzv-id, the DeepSpeed
+    launcher): the launcher's own start time and pid, which all its processes read alike. Processes on other
+    machines have another launcher: there, run.run_id (or torchrun --rdzv-id) must be given."""
+    parent = os.getppid()
+    started = process_start(parent)
+    if started is None:
+        return None
+    kind = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "launch"
+    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}-{parent}"
+
+
+def process_start(pid: int | str = "self") -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (Linux); the same for every reader."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def run_dir(config: RunConfig, environ: dict | None = None) -> tuple[str, str]:
@@ -53,11 +79,5 @@ def run_dir(config: RunConfig, environ: dict | None = None) -> tuple[str, str]:
 
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux), e.g. to report how long a restart took."""
-    try:
-        with open("/proc/self/stat") as f:
-            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+    started = process_start()
+    return None if started is None else time.time() - started

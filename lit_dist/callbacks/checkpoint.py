@@ -229,21 +229,27 @@ class Checkpointing(Checkpoint):
         except OSError:
             sees = False
         reports = all_gather_object(trainer, (trainer.global_rank, socket.gethostname(), sees, self.resumed_from,
-                                              unwritable))
+                                              unwritable, store.url))
         if trainer.is_global_zero and not unwritable:
             store.fs.rm(probe)
         if problem := reports[0][4]:
             raise ConfigError(f"checkpoint.dirpath: rank 0 cannot write to {store.url} ({problem})")
+        if len({url for *_, url in reports}) > 1:
+            raise ConfigError(
+                "the processes of this run chose different run directories ("
+                + ", ".join(f"rank {r[0]}: {r[5]}" for r in reports[:4]) + (", ..." if len(reports) > 4 else "")
+                + "): give them all the same run.run_id (torchrun across machines: --rdzv-id=NAME; "
+                "DeepSpeed launcher: --run.run_id NAME)")
         blind = [f"rank {rank} on {host}" for rank, host, seen, *_ in reports if not seen]
         if blind:
             raise ConfigError(
                 f"checkpoint.dirpath: {store.url} is not shared: {', '.join(blind)} cannot see the files rank 0 writes "
                 "there. Runs on several nodes need run.root_dir and checkpoint.dirpath on a shared filesystem (NFS, "
                 "Lustre) or an object store (checkpoint.dirpath: s3://bucket/prefix/{run_id}).")
-        sources = {source for _, _, _, source, _ in reports}
+        sources = {report[3] for report in reports}
         if len(sources) > 1:
             raise CheckpointError("ranks would resume from different checkpoints ("
-                                  + ", ".join(f"rank {r}: {s or 'none'}" for r, _, _, s, _ in reports)
+                                  + ", ".join(f"rank {r[0]}: {r[3] or 'none'}" for r in reports)
                                   + f"); the checkpoint folder {store.url} changed while the run started. Start it again.")
 
     def on_train_start(self, trainer, pl_module) -> None:

@@ -1,7 +1,7 @@
-"""Two DDP processes where rank 1 looks for checkpoints in another folder than rank 0 writes to,
-as a node without the shared filesystem would: ``python -m tests.helpers.blind_rank ROOT METADATA``.
-
-Lightning starts rank 1 by running this script again with LOCAL_RANK=1.
+"""One rank of a 2-process DDP run started as torchrun would start it (the tests set RANK, WORLD_SIZE...):
+``python -m tests.helpers.blind_rank ROOT METADATA``. The test starts rank 1 in its own mount namespace
+with an empty tmpfs over ROOT: the same path, but not the files rank 0 writes, as on a node without
+the shared filesystem.
 """
 
 import os
@@ -18,11 +18,11 @@ from lit_dist.module import LitModel
 
 if __name__ == "__main__":
     root, metadata = sys.argv[1], sys.argv[2]
-    rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank = int(os.environ["RANK"])
     model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     data = BucketDataModule(metadata, resolution=32, batch_size_per_device=8, num_workers=0)
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
-                      enable_progress_bar=False, callbacks=[Checkpointing(dirpath=os.path.join(root, f"node{rank}"))])
+                      enable_progress_bar=False, callbacks=[Checkpointing(dirpath=os.path.join(root, "ckpt"))])
     try:
         trainer.fit(model, data)
     except LitDistError as err:

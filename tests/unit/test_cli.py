@@ -1,6 +1,7 @@
 """The command line as a user meets it: configs, overrides, help, bad input, run directories."""
 
 import inspect
+import os
 import re
 
 import pytest
@@ -116,6 +117,10 @@ def test_run_id_is_shared_by_child_processes_and_follows_slurm():
     assert resolve_run_id(None, {"SLURM_JOB_ID": "77"}) == "slurm-77"
     assert resolve_run_id(None, {"SLURM_JOB_ID": "78", "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"}) == "slurm-70_3"
     assert re.fullmatch(r"\d{8}-\d{6}", resolve_run_id(None, {}))
+    # torchrun without --rdzv-id, the DeepSpeed launcher: every process of the launcher reads the same id.
+    launched = resolve_run_id(None, {"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "none"})
+    assert re.fullmatch(rf"torchrun-\d{{8}}-\d{{6}}-{os.getppid()}", launched)
+    assert resolve_run_id(None, {"LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "none"}) == launched
 
 
 def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data):
