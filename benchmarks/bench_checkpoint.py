@@ -93,7 +93,7 @@ def main() -> None:
                       enable_model_summary=False, callbacks=[measure, checkpointing], num_sanity_val_steps=0,
                       limit_val_batches=0, default_root_dir=root)
     trainer.fit(model, InMemoryData(num_samples=2048, batch_size_per_device=16))
-    checkpointing._background.wait()
+    checkpointing.background_error()
     import shutil
 
     shutil.rmtree(root, ignore_errors=True)

@@ -88,7 +88,11 @@ class LitDistCLI(LightningCLI):
         from lit_dist.strategies import prepare_strategy
 
         prepare_strategy(config)
-        self._fit_slurm_allocation(config)
+        from lit_dist.slurm import apply_launch_layout
+
+        filled = apply_launch_layout(config.trainer)
+        if filled and os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0":
+            print(f"lit-dist: from the launcher: {', '.join(filled)}", flush=True)
         if config.trainer.enable_checkpointing is False:
             # lit-dist's Checkpointing is a Lightning Checkpoint, which Lightning refuses next to this flag.
             config.trainer.enable_checkpointing = True
@@ -105,36 +109,13 @@ class LitDistCLI(LightningCLI):
         from lit_dist.callbacks.checkpoint import Checkpointing
 
         arguments = self.config_init[self.subcommand]
-        checkpointing = next((c for c in self.trainer.callbacks if isinstance(c, Checkpointing)), None)
+        checkpointing = Checkpointing.of(self.trainer)
         if checkpointing is not None:
             arguments["ckpt_path"] = checkpointing.resolve_ckpt_path(self.trainer, arguments.get("ckpt_path"))
         elif arguments.get("ckpt_path") == "auto":
             arguments["ckpt_path"] = None
 
     before_fit = before_validate = before_test = before_predict = _resolve_ckpt_path
-
-    @staticmethod
-    def _fit_slurm_allocation(config) -> None:
-        """Under Slurm, torchrun or the DeepSpeed launcher: devices and nodes from the launch (or a clear
-        refusal); under Slurm, no Lightning auto-requeue."""
-        from jsonargparse import Namespace
-
-        from lit_dist.slurm import check_allocation, in_slurm_step
-
-        if os.environ.get("CROSS_RANK") and "NODE_RANK" not in os.environ:
-            os.environ["NODE_RANK"] = os.environ["CROSS_RANK"]  # the DeepSpeed launcher's name for it; Lightning reads NODE_RANK
-        filled = check_allocation(config.trainer)
-        if filled and os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0":
-            print(f"lit-dist: from the launcher: {', '.join(filled)}", flush=True)
-        if not in_slurm_step():
-            return
-        # Lightning's auto_requeue saves inside the signal handler, which can hang; Preemption does it instead.
-        plugins = config.trainer.plugins
-        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
-        if not any("Environment" in str(getattr(p, "class_path", "")) for p in plugins):
-            plugins.append(Namespace(class_path="lightning.pytorch.plugins.environments.SLURMEnvironment",
-                                     init_args=Namespace(auto_requeue=False)))
-        config.trainer.plugins = plugins
 
     def after_fit(self) -> None:
         self._report("fit")
@@ -168,7 +149,7 @@ class LitDistCLI(LightningCLI):
         print(f"  run directory: {run_path}")
         from lit_dist.callbacks.checkpoint import Checkpointing
 
-        checkpointing = next((c for c in trainer.callbacks if isinstance(c, Checkpointing)), None)
+        checkpointing = Checkpointing.of(trainer)
         if what == "fit" and checkpointing is not None and checkpointing.last_path:
             print(f"  checkpoint:    {checkpointing.last_path}")
         print(f"  watch it:      tensorboard --logdir {run_path}\n", flush=True)
@@ -234,31 +215,23 @@ def _user_error(exc: BaseException | None) -> LitDistError | None:
 def _drop_local_rank(argv: list[str]) -> list[str]:
     """Remove ``--local_rank N``, which the DeepSpeed launcher and torch.distributed.launch add to the command
     line; it is also in the LOCAL_RANK variable, where Lightning reads it."""
-    kept, skip = [], False
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        name, _, value = arg.partition("=")
-        if name in ("--local_rank", "--local-rank"):
-            if not value and i + 1 < len(argv):
-                value, skip = argv[i + 1], True
-            os.environ.setdefault("LOCAL_RANK", value)
-            continue
-        kept.append(arg)
-    return kept
+    launcher = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    launcher.add_argument("--local_rank", "--local-rank")
+    given, rest = launcher.parse_known_args(argv)
+    if given.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", given.local_rank)
+    return rest
 
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-dist`` console script."""
     argv = _drop_local_rank(sys.argv[1:] if args is None else args)
-    args = argv
     try:
         _silence_lightning_noise()
         code = _dispatch(argv)
         if code is not None:
             sys.exit(code)
-        LitDistCLI(args=args)
+        LitDistCLI(args=argv)
     except argparse.ArgumentError as err:
         subcommand = next((a for a in argv if a in SUBCOMMANDS), "fit")
         print(f"lit-dist: error: {explain_parse_error(str(err))}", file=sys.stderr)

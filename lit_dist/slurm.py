@@ -87,6 +87,25 @@ def check_allocation(trainer: dict, environ: dict | None = None) -> list[str]:
     return filled
 
 
+def apply_launch_layout(trainer) -> list[str]:
+    """check_allocation, plus what the launchers need of the config: the DeepSpeed launcher's node rank
+    under the name Lightning reads, and under Slurm Lightning's auto_requeue off (it saves inside the
+    signal handler, which can hang; the Preemption callback does it instead)."""
+    from jsonargparse import Namespace
+
+    if os.environ.get("CROSS_RANK") and "NODE_RANK" not in os.environ:
+        os.environ["NODE_RANK"] = os.environ["CROSS_RANK"]
+    filled = check_allocation(trainer)
+    if in_slurm_step():
+        plugins = trainer.plugins
+        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
+        if not any("Environment" in str(getattr(p, "class_path", "")) for p in plugins):
+            plugins.append(Namespace(class_path="lightning.pytorch.plugins.environments.SLURMEnvironment",
+                                     init_args=Namespace(auto_requeue=False)))
+        trainer.plugins = plugins
+    return filled
+
+
 def _count(devices) -> int:
     """How many devices a Trainer ``devices`` value means (an int, '2', or a list of indices)."""
     if isinstance(devices, (list, tuple)):

@@ -40,6 +40,8 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Literal
 
 from lightning.pytorch.callbacks import Checkpoint
@@ -47,7 +49,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lit_dist.ckpt.files import FileEntry, hash_file, write_bytes_atomically
 from lit_dist.ckpt.io import AtomicCheckpointIO
-from lit_dist.ckpt.snapshot import Background, Snapshot
+from lit_dist.ckpt.snapshot import Snapshot
 from lit_dist.ckpt.state import as_next_epoch_start, rank_zero_writes, rng_state, set_rng_state
 from lit_dist.ckpt.store import MARKER, PROBE, STATE, CheckpointStore, checkpoint_name
 from lit_dist.distributed import agree_any, all_gather_object
@@ -124,7 +126,8 @@ class Checkpointing(Checkpoint):
         self._store: CheckpointStore | None = None
         self._io = AtomicCheckpointIO(self.storage_options)
         self._snapshot = Snapshot()
-        self._background = Background()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-save")
+        self._pending: Future | None = None  # the asynchronous write in flight
         self._last_saved_step = -1
         self._last_seen_step = -1
         self._last_save_time = time.monotonic()
@@ -132,6 +135,11 @@ class Checkpointing(Checkpoint):
 
     def __repr__(self) -> str:
         return f"Checkpointing(dirpath={self.dirpath!r})"
+
+    @staticmethod
+    def of(trainer) -> "Checkpointing | None":
+        """The trainer's Checkpointing callback, if it has one."""
+        return next((c for c in trainer.checkpoint_callbacks if isinstance(c, Checkpointing)), None)
 
     # -- where ------------------------------------------------------------------------------
 
@@ -308,12 +316,12 @@ class Checkpointing(Checkpoint):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         # Let a save in flight finish: it is complete or absent either way, but complete is better.
         # No collective here: the other ranks may be anywhere.
-        error = self._background.wait(timeout_s=600)
+        error = self.background_error(timeout_s=600)
         if error is not None:
             log.error("lit-dist: the background checkpoint save failed too: %s", error)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._background.wait(timeout_s=600)
+        self.background_error(timeout_s=600)
         CheckpointStore.wait_for_deletions()
 
     # -- state --------------------------------------------------------------------------------
@@ -329,8 +337,9 @@ class Checkpointing(Checkpoint):
 
     # -- saving -------------------------------------------------------------------------------
 
-    def save(self, trainer, reason: str, metric: dict | None = None) -> None:
-        """Save a checkpoint of this step now. Call it on every rank at the same step: it holds collectives."""
+    def save(self, trainer, reason: str, metric: dict | None = None) -> str:
+        """Save a checkpoint of this step now and return where (every rank). Call it on every rank at the
+        same step: it holds collectives."""
         store = self.store(trainer)
         step = trainer.global_step
         name = checkpoint_name(step)
@@ -338,7 +347,7 @@ class Checkpointing(Checkpoint):
         if step == self._last_saved_step:
             if metric and trainer.is_global_zero:
                 store.set_metric(name, metric)  # validation right after a step save: same weights
-            return
+            return store.url_of(name)
         self._last_saved_step = step
         self._last_save_time = time.monotonic()
         info = {"step": step, "epoch": trainer.current_epoch, "reason": reason, "world_size": trainer.world_size,
@@ -356,8 +365,8 @@ class Checkpointing(Checkpoint):
                     self._io.save_checkpoint(state, target)
                     self._finish(trainer, name, {STATE: self._io.written.pop(target)}, info, started)
 
-                self._background.start(write, name=f"lit-dist-save-{name}")
-            return
+                self._pending = self._writer.submit(write)
+            return store.url_of(name)
         error = None
         try:
             if trainer.is_global_zero:
@@ -375,6 +384,7 @@ class Checkpointing(Checkpoint):
             except Exception as exc:
                 error = exc
         self._agree_saved(trainer, name, error)
+        return store.url_of(name)
 
     def _files(self, trainer, name: str, target: str, whole_on_rank_zero: bool) -> dict[str, FileEntry]:
         """Every file of the checkpoint with its size and sha256, on rank 0 (collective for sharded strategies)."""
@@ -382,8 +392,8 @@ class Checkpointing(Checkpoint):
         files = {STATE: written} if written else {}
         if whole_on_rank_zero:
             if trainer.is_global_zero and not files:  # a CheckpointIO of the user's own wrote it
-                fs, path = self._store.fs, target if self._store.local else self._store.path(name, STATE)
-                files = {STATE: hash_file(fs, path, fsync=True)}
+                path = target if self._store.local else self._store.path(name, STATE)
+                files = {STATE: hash_file(self._store.fs, path, fsync=True)}
             return files
         # Sharded: the strategy wrote files through its own code. Each rank lists the folder (its own files
         # are surely there), then hashes and fsyncs a share of them.
@@ -410,9 +420,9 @@ class Checkpointing(Checkpoint):
         size = sum(entry.size for entry in files.values())
         log.info("lit-dist: saved %s (%.1f MB in %.2f s)%s", self.last_path, size / 1e6, seconds,
                  f"; removed {', '.join(deleted)}" if deleted else "")
-        from lit_dist.callbacks.webhooks import WebhookNotifier
+        from lit_dist.callbacks.webhooks import notifiers
 
-        for notifier in (cb for cb in trainer.callbacks if isinstance(cb, WebhookNotifier)):
+        for notifier in notifiers(trainer):
             notifier.notify("checkpoint.saved", "info", f"Checkpoint at step {manifest['step']}", self.last_path,
                             {"step": manifest["step"], "epoch": manifest["epoch"], "path": self.last_path,
                              "bytes": size, "seconds": round(seconds, 3), "reason": manifest["reason"]})
@@ -421,8 +431,22 @@ class Checkpointing(Checkpoint):
         """Wait for the save in flight; every rank learns whether it failed (a collective when saving asynchronously)."""
         if not self.async_save:
             return
-        error = self._background.wait()
+        error = self.background_error()
         self._agree_saved(trainer, checkpoint_name(self._last_saved_step), error)
+
+    def background_error(self, timeout_s: float | None = None) -> BaseException | None:
+        """Wait for the asynchronous write in flight (this rank only); its exception, reported once, else None."""
+        if self._pending is None:
+            return None
+        try:
+            self._pending.result(timeout_s)
+        except FutureTimeout:
+            return TimeoutError(f"the background save did not finish within {timeout_s} s")
+        except BaseException as exc:  # noqa: BLE001 - the caller agrees on it with the other ranks
+            self._pending = None
+            return exc
+        self._pending = None
+        return None
 
     def _agree_saved(self, trainer, name: str, error: BaseException | None) -> None:
         if agree_any(trainer, error is not None):

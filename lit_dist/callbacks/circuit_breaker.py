@@ -253,7 +253,7 @@ class GPUCircuitBreaker(Callback):
         if self.save_checkpoint:
             from lit_dist.callbacks.checkpoint import Checkpointing
 
-            checkpointing = next((c for c in trainer.callbacks if isinstance(c, Checkpointing)), None)
+            checkpointing = Checkpointing.of(trainer)
             if checkpointing is not None:
                 checkpointing.save(trainer, "gpu-fault")
             else:
@@ -297,10 +297,10 @@ class GPUCircuitBreaker(Callback):
 
     @property
     def _notifiers(self) -> list:
-        from lit_dist.callbacks.webhooks import WebhookNotifier
+        from lit_dist.callbacks.webhooks import notifiers
 
         trainer = getattr(self, "_trainer", None)
-        return [c for c in getattr(trainer, "callbacks", []) if isinstance(c, WebhookNotifier)]
+        return notifiers(trainer)
 
 
 def _nvml_index(trainer) -> int | None:

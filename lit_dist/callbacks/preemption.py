@@ -29,6 +29,8 @@ import time
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lit_dist.callbacks.checkpoint import Checkpointing
+from lit_dist.callbacks.webhooks import notifiers
 from lit_dist.distributed import agree_any
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.slurm import job_id, requeue
@@ -85,17 +87,15 @@ class Preemption(Callback):
         if step == self._last_step or step % self.check_every_n_steps:
             return
         self._last_step = step
-        from lit_dist.callbacks.checkpoint import Checkpointing
-
         if not agree_any(trainer, self.received is not None):
             return
         started = time.monotonic()
-        checkpointing = next((c for c in trainer.callbacks if isinstance(c, Checkpointing)), None)
+        checkpointing = Checkpointing.of(trainer)
+        saved = None
         if checkpointing is not None:
-            checkpointing.save(trainer, "preemption")
+            saved = checkpointing.save(trainer, "preemption")
             checkpointing.wait_for_save(trainer)
-        saved = checkpointing.last_path if checkpointing is not None else None
-        what = "not saved: no Checkpointing callback" if checkpointing is None else f"saved {saved}"
+        what = f"saved {saved}" if saved else "not saved: no Checkpointing callback"
         if trainer.is_global_zero:
             outcome = requeue() if self.requeue and job_id() else "not requeued"
             waited = f"{started - self.received_at:.1f} s after the signal" if self.received_at else "on another rank's signal"
@@ -105,13 +105,11 @@ class Preemption(Callback):
         # Every rank waits for rank 0's requeue: under srun --kill-on-bad-exit, the first rank to exit
         # would have the others killed, rank 0 perhaps before its scontrol call.
         trainer.strategy.barrier("lit-dist-preempted")
-        raise Preempted(f"preempted at step {trainer.global_step}; checkpoint {what.removeprefix('saved ')}; "
+        raise Preempted(f"preempted at step {trainer.global_step}; checkpoint {what}; "
                         "the run resumes from it when started again (ckpt_path: auto)")
 
     def _notify(self, trainer, message: str, saved: str | None, outcome: str) -> None:
-        from lit_dist.callbacks.webhooks import WebhookNotifier
-
-        for notifier in (c for c in trainer.callbacks if isinstance(c, WebhookNotifier)):
+        for notifier in notifiers(trainer):
             notifier.notify("run.preempted", "warning", f"Preempted at step {trainer.global_step}", message,
                             {"step": trainer.global_step, "epoch": trainer.current_epoch, "signal": self.received,
                              "checkpoint": saved, "requeue": outcome, "job_id": job_id(),

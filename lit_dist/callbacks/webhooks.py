@@ -291,3 +291,8 @@ def discord_payload(event: dict) -> dict:
         "embeds": [{"title": event["title"][:256], "description": (event["message"] or event["type"])[:4096],
                     "color": DISCORD_COLOURS[event["severity"]], "timestamp": event["timestamp"], "fields": fields[:25]}],
     }
+
+
+def notifiers(trainer) -> list["WebhookNotifier"]:
+    """The trainer's WebhookNotifier callbacks, for other callbacks that send events through them."""
+    return [c for c in getattr(trainer, "callbacks", []) if isinstance(c, WebhookNotifier)]

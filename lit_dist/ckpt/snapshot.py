@@ -1,13 +1,10 @@
-"""Asynchronous saves: copy the state aside in a fraction of a second, write it on a thread.
+"""Asynchronous saves: copy the state aside in a fraction of a second (the write runs on a thread).
 
 Training goes on while the copy is written, so the copy must not share memory with tensors the
 next optimizer step changes. The buffers are kept from one save to the next: copying into memory
 that is already mapped runs several times faster than into freshly allocated memory (page faults),
 and the next save waits for the previous write anyway, so they are free again by then.
 """
-
-import threading
-from collections.abc import Callable
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -51,37 +48,3 @@ class Snapshot:
             self._buffers[index] = buffer
         return buffer
 
-
-class Background:
-    """One background job at a time; its exception is kept for whoever waits for it."""
-
-    def __init__(self):
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def start(self, job: Callable[[], None], name: str) -> None:
-        if self.busy:
-            raise RuntimeError("a background job is still running; wait() for it first")
-
-        def run():
-            try:
-                job()
-            except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait(self, timeout_s: float | None = None) -> BaseException | None:
-        """Block until the job is done (or ``timeout_s`` passed); its exception (reported once), else None."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                return TimeoutError(f"the background save did not finish within {timeout_s} s")
-            self._thread = None
-        error, self._error = self._error, None
-        return error

@@ -77,7 +77,7 @@ class CheckpointStore:
         manifest = {"format": FORMAT, **info, "created": time.time(),
                     "files": {rel: asdict(entry) for rel, entry in sorted(files.items())}}
         staging = self.staging(name)
-        write_bytes_atomically(self.fs, "/".join([staging, MARKER]), json.dumps(manifest, indent=1).encode())
+        self._write_marker(staging, manifest)
         if self.local:
             final = self.path(name)
             if os.path.exists(final):
@@ -91,8 +91,11 @@ class CheckpointStore:
     def set_metric(self, name: str, metric: dict) -> None:
         """Record a monitored value in a complete checkpoint's marker (rewritten atomically)."""
         manifest = dict(self.manifest(name), metric=metric)
-        write_bytes_atomically(self.fs, self.path(name, MARKER), json.dumps(manifest, indent=1).encode())
+        self._write_marker(self.path(name), manifest)
         self._manifests[name] = manifest
+
+    def _write_marker(self, folder: str, manifest: dict) -> None:
+        write_bytes_atomically(self.fs, "/".join([folder, MARKER]), json.dumps(manifest, indent=1).encode())
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -202,12 +205,7 @@ class CheckpointStore:
         names = self.complete()
         keep = set(names[:keep_last_n]) | protect
         if monitor and keep_best_k > 0:
-            scored = []
-            for name in names:
-                metric = self.manifest(name).get("metric") or {}
-                if metric.get("name") == monitor and metric.get("value") is not None:
-                    scored.append((metric["value"] if mode == "min" else -metric["value"], name))
-            keep |= {name for _, name in sorted(scored)[:keep_best_k]}
+            keep |= set(self._ranked(names, monitor, mode)[:keep_best_k])
         deleted = [name for name in names if name not in keep]
         for name in deleted:
             self.delete(name)
@@ -215,9 +213,17 @@ class CheckpointStore:
 
     def best(self, monitor: str, mode: str = "min") -> str | None:
         """The complete checkpoint with the best recorded ``monitor`` value."""
-        scored = [(m["value"] if mode == "min" else -m["value"], n) for n in self.complete()
-                  if (m := self.manifest(n).get("metric") or {}).get("name") == monitor and m.get("value") is not None]
-        return min(scored)[1] if scored else None
+        ranked = self._ranked(self.complete(), monitor, mode)
+        return ranked[0] if ranked else None
+
+    def _ranked(self, names: list[str], monitor: str, mode: str) -> list[str]:
+        """The checkpoints among ``names`` with a recorded ``monitor`` value, best first."""
+        scored = []
+        for name in names:
+            metric = self.manifest(name).get("metric") or {}
+            if metric.get("name") == monitor and metric.get("value") is not None:
+                scored.append((metric["value"] if mode == "min" else -metric["value"], name))
+        return [name for _, name in sorted(scored)]
 
     @staticmethod
     def wait_for_deletions() -> None:

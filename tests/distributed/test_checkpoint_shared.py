@@ -17,16 +17,22 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a mount namespace")
-def test_a_rank_without_the_shared_folder_fails_early_with_a_clear_error(tmp_path, demo_data):
-    root = tmp_path / "shared"
-    root.mkdir()
+def torchrun_env(run_id: str) -> dict:
+    """What torchrun gives two processes on one machine (each adds its RANK and LOCAL_RANK)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               TORCHELASTIC_RUN_ID="blind", PYTHONPATH=str(REPO))
+               TORCHELASTIC_RUN_ID=run_id, PYTHONPATH=str(REPO))
+    return env
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a mount namespace")
+def test_a_rank_without_the_shared_folder_fails_early_with_a_clear_error(tmp_path, demo_data):
+    root = tmp_path / "shared"
+    root.mkdir()
+    env = torchrun_env("blind")
     command = [sys.executable, "-m", "tests.helpers.blind_rank", str(root), str(demo_data)]
     procs = []
     for rank in (0, 1):
@@ -44,12 +50,7 @@ def test_a_rank_without_the_shared_folder_fails_early_with_a_clear_error(tmp_pat
 
 def test_processes_that_chose_different_run_directories_are_told_to_share_a_run_id(tmp_path, demo_data):
     # As with torchrun on two machines without --rdzv-id: each launcher names the run after itself.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               TORCHELASTIC_RUN_ID="none", PYTHONPATH=str(REPO))
+    env = torchrun_env("none")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.blind_rank", str(tmp_path / f"run-{rank}"),
                                str(demo_data)], cwd=REPO, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
