@@ -223,6 +223,15 @@ def _drop_local_rank(argv: list[str]) -> list[str]:
     return rest
 
 
+def _leave_process_group() -> None:
+    """Tear down a still-open process group: left to interpreter exit, gloo's threads can abort the
+    process (SIGABRT), which would replace the documented exit code."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-dist`` console script."""
     argv = _drop_local_rank(sys.argv[1:] if args is None else args)
@@ -243,6 +252,7 @@ def main(args: list[str] | None = None) -> None:
         if err is None:
             raise
         print(f"lit-dist: error: {err}", file=sys.stderr)
+        _leave_process_group()
         sys.exit(int(err.exit_code))
     except KeyboardInterrupt:
         sys.exit(130)

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_dist.callbacks.checkpoint import Checkpointing
+from lit_dist.cli import _leave_process_group
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import LitDistError
 from lit_dist.models import SimpleCNN
@@ -27,4 +28,5 @@ if __name__ == "__main__":
         trainer.fit(model, data)
     except LitDistError as err:
         print(f"rank {rank}: lit-dist: error: {err}", flush=True)
+        _leave_process_group()
         sys.exit(int(err.exit_code))
