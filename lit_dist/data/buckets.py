@@ -44,13 +44,14 @@ def assign_buckets(widths: np.ndarray, heights: np.ndarray, buckets: np.ndarray)
     log-aspects the image lies. With a few dozen buckets, one comparison pass per midpoint
     beats a binary search per image (about 3x at 10 M rows).
     """
-    # float32 is ample for choosing between buckets and halves the memory traffic at 10 M rows.
-    image_log_aspect = np.log(np.asarray(widths, dtype=np.float32) / np.asarray(heights, dtype=np.float32))
+    # Comparing aspect ratios with the midpoints' exp() picks the same bucket as comparing logs, without
+    # a log per image; float32 is ample for choosing between buckets and halves the memory traffic.
+    aspect = np.asarray(widths, dtype=np.float32) / np.asarray(heights, dtype=np.float32)
     bucket_log_aspect = np.log(buckets[:, 0] / buckets[:, 1])  # ascending: buckets are sorted by aspect
-    midpoints = ((bucket_log_aspect[1:] + bucket_log_aspect[:-1]) / 2).astype(np.float32)
-    if len(midpoints) > 64:
-        return np.searchsorted(midpoints, image_log_aspect, side="left").astype(np.int16 if len(buckets) < 2**15 else np.int64)
-    index = np.zeros(len(image_log_aspect), dtype=np.int16)
-    for midpoint in midpoints:
-        index += image_log_aspect > midpoint
+    thresholds = np.exp((bucket_log_aspect[1:] + bucket_log_aspect[:-1]) / 2).astype(np.float32)
+    if len(thresholds) > 64:
+        return np.searchsorted(thresholds, aspect, side="left").astype(np.int16 if len(buckets) < 2**15 else np.int64)
+    index = np.zeros(len(aspect), dtype=np.int16)
+    for threshold in thresholds:
+        index += aspect > threshold
     return index

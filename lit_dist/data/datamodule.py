@@ -159,24 +159,19 @@ class BucketDataModule(LightningDataModule):
 
     def read(self) -> list:
         """Per dataset: its cleaned metadata (bad rows reported), each row's bucket and split (0/1/2)."""
-        from lit_dist.data.buckets import assign_buckets
-        from lit_dist.data.metadata import hash_split, read_metadata
+        from lit_dist.data.metadata import read_metadata
         from lit_dist.data.sources import merge_labels
 
         parts = []
         for source in self.sources:
             # The cached index of a scan is on local or home storage, not behind storage_options.
             options = self.storage_options if source.metadata is not None else None
-            meta = read_metadata(source.table_path, options, extra_columns=self.extra_columns, strict=self.strict)
+            meta = read_metadata(source.table_path, options, extra_columns=self.extra_columns, strict=self.strict,
+                                 val_fraction=self.val_fraction)
             if meta.bad.total:
                 rank_zero_warn(f"lit-dist: skipped {meta.bad.total} bad rows of {source.table_path}: {meta.bad.summary()}")
-            if meta.splits is not None:
-                splits = meta.splits
-            elif self.val_fraction > 0:
-                splits = hash_split(meta.filenames, self.val_fraction)
-            else:
-                splits = np.zeros(len(meta), dtype=np.int8)
-            parts.append((meta, assign_buckets(meta.widths, meta.heights, self.bucket_sizes), splits))
+            splits = meta.splits
+            parts.append((meta, meta.bucket_ids(self.bucket_sizes), splits))
         self.classes = merge_labels([meta for meta, _, _ in parts])
         return parts
 
@@ -220,7 +215,7 @@ class BucketDataModule(LightningDataModule):
             bucket_sizes=self.bucket_sizes,
             bucket_ids=bucket_ids,
             labels=None if meta.labels is None else meta.labels[rows],
-            rows=meta.rows[rows],
+            rows=rows if meta.rows is None else meta.rows[rows],
             extra={name: column.take(take) for name, column in meta.extra.items()},
             random_crop=random_crop,
             seed=self.seed,

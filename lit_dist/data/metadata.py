@@ -6,10 +6,11 @@ root. ``label`` (int, or strings mapped to sorted class indices), ``caption``
 and any other columns are optional; a ``split`` column with ``train`` / ``val``
 / ``test`` values overrides the hash split.
 
-Everything here is vectorised with pyarrow.compute: checking tens of millions
-of rows must take seconds, not a Python loop per row. Filenames stay a pyarrow
-array (one buffer, shared by forked loader workers without copies) instead of
-a numpy array of Python strings.
+Everything here is vectorised (pyarrow.compute, and numpy over the string
+buffers in ``names``): checking tens of millions of rows must take a fraction
+of a second, not a Python loop per row. Filenames stay a pyarrow array (one
+buffer, shared by forked loader workers without copies) instead of a numpy
+array of Python strings.
 """
 
 import logging
@@ -55,18 +56,29 @@ class Metadata:
     """The usable rows of a table, as columns."""
 
     filenames: "pa.ChunkedArray"  # noqa: F821 - pyarrow strings, one buffer per chunk
-    widths: np.ndarray  # int32
-    heights: np.ndarray  # int32
-    rows: np.ndarray  # int32 (int64 past 2**31 rows) row number of each entry in the (concatenated) table
+    sizes: "pa.Table"  # noqa: F821 - columns width and height (positive), as read: no copies
+    rows: np.ndarray | None  # int32 (int64 past 2**31 rows) table row of each entry; None: all rows, in order
     labels: np.ndarray | None = None  # int64 class indices
     classes: list[str] | None = None  # names of the classes when labels were strings
-    splits: np.ndarray | None = None  # int8 index into SPLITS
+    splits: np.ndarray | None = None  # int8 index into SPLITS, one per row
     extra: dict = field(default_factory=dict)  # name -> pyarrow array, passed through to batches
     bad: BadRows = field(default_factory=BadRows)
     source: str = ""
 
     def __len__(self) -> int:
-        return len(self.widths)
+        return len(self.filenames)
+
+    def bucket_ids(self, buckets: np.ndarray) -> np.ndarray:
+        """The bucket (index into ``buckets``) of each row, a record batch at a time: no copy of the sizes."""
+        from lit_dist.data.buckets import assign_buckets
+
+        out = np.empty(len(self), dtype=np.int16 if len(buckets) < 2**15 else np.int64)
+        done = 0
+        for batch in self.sizes.to_batches(max_chunksize=1 << 20):
+            widths, heights = (_pixels(batch.column(i), name, self.source) for i, name in enumerate(("width", "height")))
+            out[done : done + len(batch)] = assign_buckets(widths, heights, buckets)
+            done += len(batch)
+        return out
 
 
 def list_parquet_files(path: str, storage_options: dict | None = None) -> tuple["fsspec.AbstractFileSystem", list[str]]:  # noqa: F821
@@ -96,6 +108,7 @@ def read_metadata(
     storage_options: dict | None = None,
     extra_columns: list[str] | None = None,
     strict: bool = False,
+    val_fraction: float = 0.0,
 ) -> Metadata:
     """Read, check and clean a metadata table.
 
@@ -104,10 +117,14 @@ def read_metadata(
         storage_options: fsspec options (endpoint, region; credentials come from the environment).
         extra_columns: Columns passed through to batches; None: ``caption`` if the table has it.
         strict: Raise on any bad row instead of skipping it.
+        val_fraction: Share of rows for validation, by filename hash, when the table has no split column.
     """
     import pyarrow.parquet as pq
+    from fsspec.implementations.local import LocalFileSystem
 
     fs, files = list_parquet_files(path, storage_options)
+    if isinstance(fs, LocalFileSystem):
+        fs = None  # pyarrow's own local reads: through fsspec's file objects, the same read costs twice the time
     try:
         schema = pq.read_schema(files[0], filesystem=fs)
     except Exception as exc:  # pyarrow raises several types for a file that is not parquet
@@ -128,25 +145,35 @@ def read_metadata(
         table = pq.read_table(files if len(files) > 1 else files[0], columns=list(dict.fromkeys(wanted)), filesystem=fs)
     except Exception as exc:
         raise DataError(f"data.metadata = {path!r}: cannot read the table ({exc})") from exc
-    return clean_table(table, source=path, extra_columns=extra_columns, strict=strict)
+    return clean_table(table, source=path, extra_columns=extra_columns, strict=strict, val_fraction=val_fraction)
 
 
-def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: bool = False) -> Metadata:
-    """Drop and count bad rows; convert the columns a run needs."""
+def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: bool = False,
+                val_fraction: float = 0.0) -> Metadata:
+    """Drop and count bad rows; convert the columns a run needs; split rows into train/val/test.
+
+    The split comes from a ``split`` column when the table has one, else from a hash of
+    each filename (``val_fraction`` of the rows to validation), else all rows train.
+    """
     import pyarrow as pa
+
+    from lit_dist.data.names import duplicates, name_hashes, sorted_duplicates
 
     # Chunked as read (one chunk per row group): combining 10 M strings would copy them all.
     filenames = table.column("filename")
     if not pa.types.is_string(filenames.type) and not pa.types.is_large_string(filenames.type):
         raise DataError(f"{source}: column filename has type {filenames.type}; it must hold strings")
-    widths = _as_number(table.column("width"), "width", source)
-    heights = _as_number(table.column("height"), "height", source)
-    # The duplicate check (a sort of all names, which releases the GIL) runs beside the others.
+    hashing = val_fraction > 0 and "split" not in table.column_names
+    # pyarrow's comparisons (a sorted table's duplicate check) and numpy's hashing release the GIL:
+    # they run on a second thread beside the checks.
     with ThreadPoolExecutor(1) as pool:
-        duplicates = pool.submit(_duplicates, filenames)
-        bad, report = _path_and_size_checks(filenames, widths, heights)
-        duplicate = duplicates.result() & ~bad
-
+        in_order = pool.submit(sorted_duplicates, filenames)
+        hashes = pool.submit(name_hashes, filenames) if hashing else None
+        bad, report = _path_and_size_checks(filenames, table.select(["width", "height"]), source)
+        duplicate, hashes = in_order.result(), hashes.result() if hashes is not None else None
+    if duplicate is None:
+        duplicate = duplicates(filenames, hashes, ignore=bad)
+    duplicate &= ~bad
     _note(report, "duplicate filename (first kept)", duplicate, filenames)
     bad |= duplicate
     if strict and report.total:
@@ -158,45 +185,40 @@ def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: 
     if bad.any():
         keep = np.flatnonzero(~bad).astype(index_type)
         kept = table.take(pa.array(keep))
-        widths, heights = widths.take(pa.array(keep)), heights.take(pa.array(keep))
+        hashes = None if hashes is None else hashes[keep]
     else:  # the usual case: no copies
-        keep, kept = np.arange(len(bad), dtype=index_type), table
-    meta = Metadata(
-        filenames=kept.column("filename"),
-        widths=widths.to_numpy(zero_copy_only=False).astype(np.int32),
-        heights=heights.to_numpy(zero_copy_only=False).astype(np.int32),
-        rows=keep,
-        bad=report,
-        source=source,
-    )
+        keep, kept = None, table
+    meta = Metadata(filenames=kept.column("filename"), sizes=kept.select(["width", "height"]), rows=keep, bad=report,
+                    source=source)
     if "label" in kept.column_names:
         meta.labels, meta.classes = _labels(kept.column("label").combine_chunks(), source)
     if "split" in kept.column_names:
         meta.splits = _splits(kept.column("split").combine_chunks(), source)
+    elif hashing:
+        meta.splits = hash_split(meta.filenames, val_fraction, hashes)
+    else:
+        meta.splits = np.zeros(len(meta), dtype=np.int8)
     meta.extra = {name: kept.column(name).combine_chunks() for name in extra_columns}
     return meta
 
 
-def _path_and_size_checks(filenames, widths, heights) -> tuple[np.ndarray, BadRows]:
+def _path_and_size_checks(filenames, sizes, source: str) -> tuple[np.ndarray, BadRows]:
     """Rows with a missing or unsafe filename or an unusable size, by reason."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    bad = np.zeros(len(filenames), dtype=bool)
+    from lit_dist.data.names import Scratch, scan
+
     report = BadRows()
-    missing = pc.fill_null(pc.equal(pc.binary_length(filenames), 0), True).to_numpy(zero_copy_only=False)
-    _note(report, "missing filename", missing, filenames)
-    bad |= missing
-    # Cheap scans pick the few candidates; the regexes then run on those alone and sort them into reasons.
-    leading = pc.or_(pc.starts_with(filenames, "/"), pc.starts_with(filenames, "\\"))
-    candidates = (pc.fill_null(leading, False).to_numpy(zero_copy_only=False) | _rows_containing(filenames, (b":", b".."))) & ~bad
-    unsafe = np.zeros(len(bad), dtype=bool)
-    if candidates.any():
-        where = np.flatnonzero(candidates)
-        unsafe[where] = pc.match_substring_regex(filenames.take(pa.array(where)), _UNSAFE).to_numpy(zero_copy_only=False)
-    if unsafe.any():
-        suspects = filenames.filter(pa.array(unsafe))
-        where = np.flatnonzero(unsafe)
+    bad, suspicious = scan(filenames)
+    _note(report, "missing filename", bad, filenames)
+    # A byte scan picked the few candidates; the regexes run on those alone and sort them into reasons.
+    where = np.flatnonzero(suspicious)
+    where = where[~bad[where]]
+    if len(where):
+        unsafe = pc.match_substring_regex(filenames.take(pa.array(where)), _UNSAFE).to_numpy(zero_copy_only=False)
+        where = where[unsafe]
+        suspects = filenames.take(pa.array(where))
         for reason, pattern in _UNSAFE_REASONS.items():
             hit = pc.match_substring_regex(suspects, pattern).to_numpy(zero_copy_only=False)
             mask = np.zeros(len(bad), dtype=bool)
@@ -204,83 +226,42 @@ def _path_and_size_checks(filenames, widths, heights) -> tuple[np.ndarray, BadRo
             mask &= ~bad
             _note(report, reason, mask, filenames)
             bad |= mask
-    sizes = pc.or_(pc.fill_null(pc.less_equal(widths, 0), True), pc.fill_null(pc.less_equal(heights, 0), True))
-    sizes = sizes.to_numpy(zero_copy_only=False) & ~bad
-    _note(report, "missing or non-positive width/height", sizes, filenames)
-    bad |= sizes
+    unusable = np.empty(len(bad), dtype=bool)
+    scratch = Scratch()
+    done = 0
+    for batch in sizes.to_batches(max_chunksize=1 << 20):  # a batch at a time: no int32 copy of whole columns
+        widths, heights = (_pixels(batch.column(i), name, source) for i, name in enumerate(("width", "height")))
+        part = unusable[done : done + len(batch)]
+        np.less_equal(widths, 0, out=part)
+        part |= np.less_equal(heights, 0, out=scratch.get("flag", len(batch), bool))
+        done += len(batch)
+    if unusable.any():
+        unusable &= ~bad
+        _note(report, "missing or non-positive width/height", unusable, filenames)
+        bad |= unusable
     return bad, report
 
 
-def _offsets(chunk) -> np.ndarray:
-    """The byte offsets of a pyarrow string array's values (n + 1 of them), as a view of its buffer."""
+def _pixels(column, name: str, source: str) -> np.ndarray:
+    """A width or height column as int32; missing, non-finite or negative sizes become 0 (a bad row)."""
     import pyarrow as pa
-
-    width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
-    return np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1]
-
-
-def _rows_containing(strings, needles: tuple[bytes, ...]) -> np.ndarray:
-    """True for each string that contains any of ``needles``.
-
-    pyarrow's match_substring takes about 35 ns per row; ``bytes.find`` over each chunk's
-    whole character buffer runs at memchr speed and, in the usual case of no match at
-    all, answers for a million rows at once.
-    """
-    import pyarrow as pa
-
-    mask = np.zeros(len(strings), dtype=bool)
-    done = 0
-    for chunk in strings.chunks if isinstance(strings, pa.ChunkedArray) else [strings]:
-        if len(chunk):
-            offsets = _offsets(chunk)
-            data = chunk.buffers()[2].to_pybytes() if chunk.buffers()[2] else b""
-            first, last = int(offsets[0]), int(offsets[-1])
-            ends = offsets[1:]
-            for needle in needles:
-                at = data.find(needle, first, last)
-                while at != -1:
-                    row = int(np.searchsorted(ends, at, side="right"))  # the string whose bytes hold `at`
-                    if at + len(needle) <= ends[row]:  # not straddling two strings
-                        mask[done + row] = True
-                    at = data.find(needle, at + 1, last)
-        done += len(chunk)
-    return mask
-
-
-def _as_number(column, name: str, source: str):
-    import pyarrow as pa
+    import pyarrow.compute as pc
 
     if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
         raise DataError(f"{source}: column {name} has type {column.type}; it must hold numbers (pixels)")
-    return column
+    values = (pc.fill_null(column, 0) if column.null_count else column).to_numpy(zero_copy_only=False)
+    if values.dtype == np.int32:
+        return values
+    if values.dtype.kind == "f":
+        values = np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+    return np.clip(values, 0, 2**31 - 1).astype(np.int32)
 
 
 def _note(report: BadRows, reason: str, mask: np.ndarray, filenames) -> None:
-    count = int(mask.sum())
+    count = int(np.count_nonzero(mask))
     if count:
         report.counts[reason] = count
         report.examples[reason] = [filenames[int(i)].as_py() for i in np.flatnonzero(mask)[:3]]
-
-
-def _duplicates(filenames) -> np.ndarray:
-    """True for every occurrence of a filename after its first.
-
-    Sorting is about three times faster than pyarrow's hash-based dictionary_encode
-    or unique on long unique strings (measured at 10 M rows), and a stable sort
-    keeps equal names in row order, so the first of each run is the one kept.
-    """
-    import pyarrow.compute as pc
-
-    duplicate = np.zeros(len(filenames), dtype=bool)
-    if len(filenames) < 2:
-        return duplicate
-    order = pc.sort_indices(filenames)
-    ordered = filenames.take(order)
-    same = pc.fill_null(pc.equal(ordered.slice(1), ordered.slice(0, len(ordered) - 1)), False)
-    same = same.to_numpy(zero_copy_only=False)
-    if same.any():
-        duplicate[order.to_numpy()[1:][same]] = True
-    return duplicate
 
 
 def _labels(column, source: str) -> tuple[np.ndarray, list[str] | None]:
@@ -311,37 +292,10 @@ def _splits(column, source: str) -> np.ndarray:
     return index.astype(np.int8)
 
 
-def _hash_unit(chunk) -> np.ndarray:
-    """A number in [0, 1) per string of a pyarrow string array, from its bytes alone."""
+def hash_split(filenames, val_fraction: float, hashes: np.ndarray | None = None) -> np.ndarray:
+    """1 (val) or 0 (train) from a hash of each filename's bytes: the same on every rank, run and table order."""
+    from lit_dist.data.names import name_hashes
 
-    offsets = _offsets(chunk).astype(np.int64)
-    data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]].astype(np.uint64)
-    starts = offsets[:-1] - offsets[0]
-    position = np.arange(len(data), dtype=np.uint64) - np.repeat(starts, np.diff(offsets)).astype(np.uint64)
-    # Position-dependent per-byte mix, summed per string, then the splitmix64 finaliser.
-    mixed = ((data + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)) ^ ((position + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9))
-    h = np.add.reduceat(mixed, starts)
-    h ^= h >> np.uint64(31)
-    h *= np.uint64(0x94D049BB133111EB)
-    h ^= h >> np.uint64(29)
-    return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-
-
-def hash_split(filenames, val_fraction: float, chunk_rows: int = 1 << 20) -> np.ndarray:
-    """0 (train) or 1 (val) from a hash of each filename's bytes: the same on every rank and every run.
-
-    pyarrow exposes no per-row hash, and a Python loop (zlib.crc32) takes seconds
-    per million rows, so this hashes the string buffer in numpy, a chunk of rows
-    at a time to bound memory.
-    """
-    import pyarrow as pa
-
-    pieces = filenames.chunks if isinstance(filenames, pa.ChunkedArray) else [filenames]
-    out = np.empty(len(filenames), dtype=np.int8)
-    done = 0
-    for piece in pieces:
-        for lo in range(0, len(piece), chunk_rows):
-            chunk = piece.slice(lo, chunk_rows)
-            out[done : done + len(chunk)] = _hash_unit(chunk) < val_fraction
-            done += len(chunk)
-    return out
+    hashes = name_hashes(filenames) if hashes is None else hashes
+    # The top 53 bits as a fraction in [0, 1): compared with the fraction, not a modulus, so 5 % means 5 %.
+    return ((hashes >> np.uint64(11)).astype(np.float64) / float(1 << 53) < val_fraction).astype(np.int8)

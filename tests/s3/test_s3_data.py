@@ -23,7 +23,7 @@ def test_table_and_batches_from_s3_equal_the_local_ones(remote_demo, demo_data):
     url, options = remote_demo
     local = read_metadata(str(demo_data))
     remote = read_metadata(f"{url}/metadata.parquet", options)
-    assert remote.filenames.equals(local.filenames) and (remote.widths == local.widths).all()
+    assert remote.filenames.equals(local.filenames) and remote.sizes.equals(local.sizes)
     batches = []
     for metadata, opts in ((str(demo_data), None), (f"{url}/metadata.parquet", options)):
         dm = BucketDataModule(metadata, resolution=32, batch_size_per_device=4, num_workers=0, storage_options=opts)

@@ -18,7 +18,7 @@ def test_a_folder_of_tables_and_a_glob_read_like_one_table(tmp_path):
     write(tmp_path / "meta" / "sub" / "part-1.parquet", filename=["c.png"], width=[30], height=[10])
     meta = read_metadata(str(tmp_path / "meta"))
     assert meta.filenames.to_pylist() == ["a.png", "b.png", "c.png"]
-    assert meta.widths.tolist() == [10, 20, 30]
+    assert meta.sizes.column("width").to_pylist() == [10, 20, 30]
     assert read_metadata(str(tmp_path / "meta" / "*.parquet")).filenames.to_pylist() == ["a.png", "b.png"]
 
 

@@ -123,3 +123,12 @@ def test_weighted_sources_get_their_share_of_every_epoch_on_every_rank():
     assert abs(len(from_small) - len(per_rank[0]) / 2) <= 1, "a 50/50 mix must draw half the batches from the small set"
     for (_, a, _), (_, b, _) in zip(per_rank[0], per_rank[1], strict=True):
         assert groups[a[0]] == groups[b[0]], "ranks must be in the same global batch at every step"
+
+
+def test_rows_grouped_by_bucket_chunk_by_chunk_equal_a_stable_sort():
+    from lit_dist.data.sampler import _group_rows
+
+    ids = np.random.default_rng(0).integers(0, 7, 300_001).astype(np.int16)
+    ids[ids == 3] = 2  # a bucket with no rows at all
+    grouped = _group_rows(ids, np.bincount(ids), chunk=10_000)
+    assert np.array_equal(grouped, np.argsort(ids, kind="stable"))
