@@ -157,22 +157,26 @@ def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: 
     """
     import pyarrow as pa
 
-    from lit_dist.data.names import duplicates, name_hashes, sorted_duplicates
+    from lit_dist.data.names import hashed_duplicates, name_hashes, sorted_duplicates
 
     # Chunked as read (one chunk per row group): combining 10 M strings would copy them all.
     filenames = table.column("filename")
     if not pa.types.is_string(filenames.type) and not pa.types.is_large_string(filenames.type):
         raise DataError(f"{source}: column filename has type {filenames.type}; it must hold strings")
     hashing = val_fraction > 0 and "split" not in table.column_names
-    # pyarrow's comparisons (a sorted table's duplicate check) and numpy's hashing release the GIL:
-    # they run on a second thread beside the checks.
+
+    def order_and_hashes():
+        # Hashes are needed for the split, and to find the duplicates of a table not sorted by name.
+        found = sorted_duplicates(filenames)
+        return found, name_hashes(filenames) if hashing or found is None else None
+
+    # pyarrow's comparisons and numpy's hashing release the GIL: they run on a second thread beside the checks.
     with ThreadPoolExecutor(1) as pool:
-        in_order = pool.submit(sorted_duplicates, filenames)
-        hashes = pool.submit(name_hashes, filenames) if hashing else None
+        in_order = pool.submit(order_and_hashes)
         bad, report = _path_and_size_checks(filenames, table.select(["width", "height"]), source)
-        duplicate, hashes = in_order.result(), hashes.result() if hashes is not None else None
+        duplicate, hashes = in_order.result()
     if duplicate is None:
-        duplicate = duplicates(filenames, hashes, ignore=bad)
+        duplicate = hashed_duplicates(filenames, hashes, ignore=bad)
     duplicate &= ~bad
     _note(report, "duplicate filename (first kept)", duplicate, filenames)
     bad |= duplicate

@@ -180,12 +180,15 @@ def duplicates(strings, hashes: np.ndarray | None = None, ignore: np.ndarray | N
     instead takes several seconds at 10 M unordered rows. Rows in ``ignore`` (already bad)
     are never candidates, and ``hashes`` (from :func:`name_hashes`) are reused when given.
     """
+    found = sorted_duplicates(strings)
+    return found if found is not None else hashed_duplicates(strings, hashes, ignore)
+
+
+def hashed_duplicates(strings, hashes: np.ndarray | None = None, ignore: np.ndarray | None = None) -> np.ndarray:
+    """:func:`duplicates` for names in any order: equal hashes pick the candidates, pyarrow compares those."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    found = sorted_duplicates(strings)
-    if found is not None:
-        return found
     out = np.zeros(len(strings), dtype=bool)
     if hashes is None:
         hashes = name_hashes(strings)

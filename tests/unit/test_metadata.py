@@ -40,6 +40,20 @@ def test_every_kind_of_bad_row_is_skipped_counted_and_shown(tmp_path):
         read_metadata(str(path), strict=True)
 
 
+def test_row_order_changes_neither_the_bad_rows_nor_the_split(tmp_path):
+    names = [f"img/{i % 900:05d}.png" for i in range(1000)]  # 100 duplicates
+    order = np.random.default_rng(0).permutation(len(names))
+    sorted_path = write(tmp_path / "sorted.parquet", filename=sorted(names), width=[8] * 1000, height=[8] * 1000)
+    shuffled_path = write(tmp_path / "shuffled.parquet", filename=[sorted(names)[i] for i in order],
+                          width=[8] * 1000, height=[8] * 1000)
+    in_order, shuffled = (read_metadata(str(p), val_fraction=0.2) for p in (sorted_path, shuffled_path))
+    for meta in (in_order, shuffled):
+        assert meta.bad.counts == {"duplicate filename (first kept)": 100} and len(meta) == 900
+    split_of = dict(zip(in_order.filenames.to_pylist(), in_order.splits.tolist(), strict=True))
+    assert all(split_of[name] == split for name, split in zip(shuffled.filenames.to_pylist(), shuffled.splits.tolist(), strict=True))
+    assert 0.1 < in_order.splits.mean() < 0.3
+
+
 def test_extra_columns_and_split_column(tmp_path):
     path = write(tmp_path / "m.parquet", filename=["a", "b", "c"], width=[1, 1, 1], height=[1, 1, 1],
                  caption=["x", "y", "z"], score=[0.5, 0.25, 1.0], split=["train", "val", "test"])
