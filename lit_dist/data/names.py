@@ -107,23 +107,25 @@ def name_hashes(strings) -> np.ndarray:
     operations per 8 bytes of the longest names, only over the rows that long.
     """
     out = np.empty(len(strings), dtype=np.uint64)
+    scratch = Scratch()
     done = 0
     for chunk in chunks_of(strings):
-        out[done : done + len(chunk)] = _chunk_hashes(chunk)
+        _chunk_hashes(chunk, out[done : done + len(chunk)], scratch)
         done += len(chunk)
     return out
 
 
-def _chunk_hashes(chunk) -> np.ndarray:
+def _chunk_hashes(chunk, h: np.ndarray, scratch: Scratch) -> None:
+    """Write the hashes of one chunk's strings into ``h``."""
     starts, lengths, raw = _layout(chunk)
-    data = np.empty(len(raw) + 16, dtype=np.uint8)  # 8-byte loads at the last strings stay inside
+    data = scratch.get("bytes", len(raw) + 16, np.uint8)  # 8-byte loads at the last strings stay inside
     data[: len(raw)] = raw
     data[len(raw) :] = 0
     words = np.ndarray((len(data) - 7,), dtype=np.uint64, buffer=data, offset=0, strides=(1,))  # words[p]: bytes p..p+7
-    h = lengths.astype(np.uint64)
+    h[:] = lengths  # (int64 times uint64 would promote to float64)
     h *= _M1
     if not len(h):
-        return h
+        return
     # Words every string has in full need no masks and no row selection: the bulk of the work.
     shortest = int(lengths.min())
     for word in range(shortest // 8):
@@ -144,7 +146,6 @@ def _chunk_hashes(chunk) -> np.ndarray:
     h ^= h >> np.uint64(32)
     h *= _M3
     h ^= h >> np.uint64(29)
-    return h
 
 
 def _mix(h: np.ndarray, w: np.ndarray) -> None:
