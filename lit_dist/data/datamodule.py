@@ -170,8 +170,7 @@ class BucketDataModule(LightningDataModule):
                                  val_fraction=self.val_fraction)
             if meta.bad.total:
                 rank_zero_warn(f"lit-dist: skipped {meta.bad.total} bad rows of {source.table_path}: {meta.bad.summary()}")
-            splits = meta.splits
-            parts.append((meta, meta.bucket_ids(self.bucket_sizes), splits))
+            parts.append((meta, meta.bucket_ids(self.bucket_sizes), meta.splits))
         self.classes = merge_labels([meta for meta, _, _ in parts])
         return parts
 
