@@ -88,10 +88,12 @@ class LitDistCLI(LightningCLI):
         from lit_dist.strategies import prepare_strategy
 
         prepare_strategy(config)
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
         from lit_dist.slurm import apply_launch_layout
 
         filled = apply_launch_layout(config.trainer)
-        if filled and os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0":
+        if filled and rank_zero_only.rank == 0:  # the launcher's rank: no process group yet
             print(f"lit-dist: from the launcher: {', '.join(filled)}", flush=True)
         if config.trainer.enable_checkpointing is False:
             # lit-dist's Checkpointing is a Lightning Checkpoint, which Lightning refuses next to this flag.

@@ -73,11 +73,8 @@ class Metadata:
         from lit_dist.data.buckets import assign_buckets
 
         out = np.empty(len(self), dtype=np.int16 if len(buckets) < 2**15 else np.int64)
-        done = 0
-        for batch in self.sizes.to_batches(max_chunksize=1 << 20):
-            widths, heights = (_pixels(batch.column(i), name, self.source) for i, name in enumerate(("width", "height")))
-            out[done : done + len(batch)] = assign_buckets(widths, heights, buckets)
-            done += len(batch)
+        for part, widths, heights in _pixel_batches(self.sizes, self.source):
+            out[part] = assign_buckets(widths, heights, buckets)
         return out
 
 
@@ -232,18 +229,23 @@ def _path_and_size_checks(filenames, sizes, source: str) -> tuple[np.ndarray, Ba
             bad |= mask
     unusable = np.empty(len(bad), dtype=bool)
     scratch = Scratch()
-    done = 0
-    for batch in sizes.to_batches(max_chunksize=1 << 20):  # a batch at a time: no int32 copy of whole columns
-        widths, heights = (_pixels(batch.column(i), name, source) for i, name in enumerate(("width", "height")))
-        part = unusable[done : done + len(batch)]
-        np.less_equal(widths, 0, out=part)
-        part |= np.less_equal(heights, 0, out=scratch.get("flag", len(batch), bool))
-        done += len(batch)
+    for part, widths, heights in _pixel_batches(sizes, source):
+        np.less_equal(widths, 0, out=unusable[part])
+        unusable[part] |= np.less_equal(heights, 0, out=scratch.get("flag", len(widths), bool))
     if unusable.any():
         unusable &= ~bad
         _note(report, "missing or non-positive width/height", unusable, filenames)
         bad |= unusable
     return bad, report
+
+
+def _pixel_batches(sizes, source: str):
+    """Yield (rows slice, widths, heights) a record batch at a time: int32 views, no copy of whole columns."""
+    done = 0
+    for batch in sizes.to_batches(max_chunksize=1 << 20):
+        widths, heights = (_pixels(batch.column(i), name, source) for i, name in enumerate(("width", "height")))
+        yield slice(done, done + len(batch)), widths, heights
+        done += len(batch)
 
 
 def _pixels(column, name: str, source: str) -> np.ndarray:

@@ -20,13 +20,17 @@ def chunks_of(strings) -> list:
     return strings.chunks if isinstance(strings, pa.ChunkedArray) else [strings]
 
 
-def _layout(chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each string's start and length (int64) in ``data``, the chunk's characters (a uint8 view)."""
+def _offsets(chunk) -> np.ndarray:
+    """The n + 1 byte offsets of a string array's values into its character buffer (a view, int32 or int64)."""
     import pyarrow as pa
 
     width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
-    offsets = np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1]
-    offsets = offsets.astype(np.int64)
+    return np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1]
+
+
+def _layout(chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each string's start and length (int64) in ``data``, the chunk's characters (a uint8 view)."""
+    offsets = _offsets(chunk).astype(np.int64)
     first, last = int(offsets[0]), int(offsets[-1])
     buffer = chunk.buffers()[2]
     data = np.frombuffer(buffer, dtype=np.uint8)[first:last] if buffer is not None else np.zeros(0, np.uint8)
@@ -58,8 +62,6 @@ def scan(strings) -> tuple[np.ndarray, np.ndarray]:
     or ``..`` (a superset of unsafe paths). A few byte comparisons per chunk into reused
     arrays; in the usual table no byte matches and no row needs a closer look.
     """
-    import pyarrow as pa
-
     missing = np.empty(len(strings), dtype=bool)
     suspicious = np.empty(len(strings), dtype=bool)
     scratch = Scratch()
@@ -68,9 +70,8 @@ def scan(strings) -> tuple[np.ndarray, np.ndarray]:
         n = len(chunk)
         absent, mask = missing[done : done + n], suspicious[done : done + n]  # views: written in place
         done += n
-        width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + n + 1]
-        lengths = np.subtract(offsets[1:], offsets[:-1], out=scratch.get("lengths", n, width))
+        offsets = _offsets(chunk)
+        lengths = np.subtract(offsets[1:], offsets[:-1], out=scratch.get("lengths", n, offsets.dtype))
         np.equal(lengths, 0, out=absent)
         if chunk.null_count:
             absent |= chunk.is_null().to_numpy(zero_copy_only=False)

@@ -159,9 +159,9 @@ class BucketBatchSampler(DistributedSampler):
         chosen = []
         for d in sources:
             pool, passes = natural[d], 0
+            mine = np.flatnonzero(self.member_source == d)
             while len(pool) < owed[d]:
                 passes += 1
-                mine = np.flatnonzero(self.member_source == d)
                 key = (self.seed, self.epoch, int(d), passes)
                 pool = np.concatenate([pool, *(self._rank_rows(i, key, self.epoch + passes) for i in mine)])
             chosen.append(pool[rng.permutation(len(pool))[: owed[d]]])

@@ -22,8 +22,9 @@ def extra(demo_data, epochs: int) -> str:
 
 
 def submit(env, tmp_path, demo_data, epochs, name="quickstart") -> str:
+    # The template's slurm-%j.out would land in the repository, the submission folder.
     return sbatch(env, f"--export=ALL,ROOT={tmp_path},NAME={name},EXTRA={extra(demo_data, epochs)}",
-                  "slurm/cpu.sbatch")
+                  f"--output={tmp_path}/slurm-%j.out", "slurm/cpu.sbatch")
 
 
 def test_sbatch_cpu_template_trains_the_quickstart_on_two_tasks(slurm, tmp_path, demo_data):
