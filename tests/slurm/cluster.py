@@ -110,12 +110,15 @@ def write_config(folder: Path, nodes: int, port: int) -> Path:
     conf = folder / "slurm.conf"
     # Several nodes reach the controller over the bridge; one node over the host's own name.
     controller = f"{host}({SUBNET}.1)" if nodes > 1 else host
+    # cred_expire: a requeued job may start again once its old credential has expired (120 s by default;
+    # started earlier, slurmd refuses it: "Job credential revoked").
     conf.write_text(f"""ClusterName=litdist
 SlurmctldHost={controller}
 SlurmctldPort={port}
 SlurmdPort={port + 1}
 SlurmUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 StateSaveLocation={folder}/state
 SlurmdSpoolDir={folder}/spool/%n
 SlurmctldPidFile={folder}/slurmctld.pid
