@@ -199,15 +199,15 @@ class GPUCircuitBreaker(Callback):
         self._trainer = trainer  # to find the WebhookNotifier among the trainer's callbacks
         if stage != "fit" or self._thread is not None:
             return
-        index = self.device_index if self.device_index is not None else _nvml_index(trainer)
-        self.index = index
-        if index is None:
+        device = trainer.strategy.root_device
+        if self.device_index is None and (device.type != "cuda" or not torch.cuda.is_available()):
             rank_zero_info("lit-dist: GPUCircuitBreaker disabled: no CUDA device")
             return
         try:
             self.nvml = importlib.import_module(self.nvml_module)
             self.nvml.nvmlInit()
-            self.last = read(self.nvml, index)
+            self.index = self.device_index if self.device_index is not None else nvml_index(self.nvml, device.index)
+            self.last = read(self.nvml, self.index)
         except Exception as exc:  # no driver, no library, no permission: the run goes on unwatched
             rank_zero_info(f"lit-dist: GPUCircuitBreaker disabled: NVML unavailable ({exc})")
             return
@@ -303,13 +303,21 @@ class GPUCircuitBreaker(Callback):
         return notifiers(trainer)
 
 
-def _nvml_index(trainer) -> int | None:
-    """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES may renumber them for this process."""
-    device = trainer.strategy.root_device
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    entries = [v.strip() for v in visible.split(",") if v.strip()]
-    if entries and all(v.isdigit() for v in entries) and device.index < len(entries):
-        return int(entries[device.index])
-    return device.index
+def nvml_index(nvml, cuda_index: int, uuid: str | None = None) -> int:
+    """NVML's number for this process's CUDA device ``cuda_index``.
+
+    The two numberings differ: NVML counts every GPU of the node in PCI order, CUDA only the
+    visible ones (CUDA_VISIBLE_DEVICES from Slurm or a container), fastest first unless
+    CUDA_DEVICE_ORDER=PCI_BUS_ID. The UUID is the same in both, so that decides; the
+    CUDA_VISIBLE_DEVICES list is the fallback where the UUID can't be had.
+    """
+    try:
+        uuid = uuid or str(torch.cuda.get_device_properties(cuda_index).uuid)
+        handle = nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
+        return int(nvml.nvmlDeviceGetIndex(handle))
+    except Exception as exc:
+        log.info("lit-dist: GPU %d not found by UUID through NVML (%s); using CUDA_VISIBLE_DEVICES", cuda_index, exc)
+    entries = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if entries and all(v.isdigit() for v in entries) and cuda_index < len(entries):
+        return int(entries[cuda_index])
+    return cuda_index

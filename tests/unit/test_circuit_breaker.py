@@ -75,3 +75,23 @@ def test_sinks_can_come_from_a_webhooks_json_file(tmp_path, monkeypatch):
     path.write_text(json.dumps([{"kind": "carrier-pigeon", "url_env": "HOOK_A"}]))
     with pytest.raises(ConfigError, match="kind = 'carrier-pigeon'"):
         WebhookNotifier(sinks_file=str(path))
+
+
+def test_the_watched_gpu_is_found_by_uuid_whatever_number_cuda_gives_it(monkeypatch):
+    from lit_dist.callbacks.circuit_breaker import nvml_index
+
+    class Node:  # NVML's view: all four GPUs of the node, in PCI order
+        uuids = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
+
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            return self.uuids.index(uuid)  # ValueError for a GPU it doesn't know
+
+        def nvmlDeviceGetIndex(self, handle):
+            return handle
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert nvml_index(Node(), 0, uuid="d") == 3, "CUDA's device 0 may be NVML's 3 (fastest-first order)"
+    assert nvml_index(Node(), 1, uuid="GPU-c") == 2
+    assert nvml_index(Node(), 1, uuid="e") == 3, "no such UUID: CUDA_VISIBLE_DEVICES maps it"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-c")
+    assert nvml_index(Node(), 0, uuid="e") == 0, "UUIDs in CUDA_VISIBLE_DEVICES can't be mapped by number"
