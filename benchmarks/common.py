@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import resource
 import time
 
 import torch
@@ -51,10 +52,34 @@ def machine() -> str:
 
 
 def parse_bench(output: str) -> dict:
-    for line in output.splitlines():
-        if line.startswith("BENCH "):
-            return json.loads(line[len("BENCH "):])
-    raise RuntimeError("no BENCH line in output:\n" + output[-3000:])
+    """The ``BENCH {...}`` lines of a run's output, merged into one dict."""
+    found = [json.loads(line[len("BENCH "):]) for line in output.splitlines() if line.startswith("BENCH ")]
+    if not found:
+        raise RuntimeError("no BENCH line in output:\n" + output[-3000:])
+    return {k: v for d in found for k, v in d.items()}
+
+
+class PeakMemory(Callback):
+    """Prints ``BENCH {"peak_bytes": ...}``: the most memory any rank held during training.
+
+    On GPUs what the CUDA caching allocator handed out (torch.cuda.max_memory_allocated);
+    on CPU the process's peak resident size.
+    """
+
+    def on_train_start(self, trainer, pl_module):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_train_end(self, trainer, pl_module):
+        if torch.cuda.is_available():
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        peak = torch.tensor([peak], dtype=torch.float64, device=pl_module.device)
+        if torch.distributed.is_initialized():  # every rank reaches this: on_train_end runs on all
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        if trainer.is_global_zero:
+            print("BENCH " + json.dumps({"peak_bytes": int(peak.item())}), flush=True)
 
 
 class StateMemory(Callback):

@@ -15,6 +15,7 @@ policies given as class paths. DeepSpeed is Lightning's ``DeepSpeedStrategy``
 
 import importlib
 import importlib.util
+import os
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
@@ -145,30 +146,30 @@ class FSDPStrategy(LightningFSDPStrategy):
 
 
 def strategy_name(strategy) -> str:
-    """A short lowercase name for a strategy given as a string, a class_path namespace or an instance."""
+    """The strategy as the user named it: a string, a class_path namespace's path or an instance's class."""
     if strategy is None:
         return "auto"
     if isinstance(strategy, str):
-        return strategy.lower()
-    class_path = getattr(strategy, "class_path", None) or f"{type(strategy).__module__}.{type(strategy).__name__}"
-    return class_path.lower()
+        return strategy
+    return getattr(strategy, "class_path", None) or f"{type(strategy).__module__}.{type(strategy).__name__}"
 
 
 def check_strategy(trainer_config, cuda_available: bool | None = None) -> list[str]:
     """Problems with the strategy that would only surface after processes started (or as a hang)."""
     name = strategy_name(trainer_config.strategy)
+    key = name.lower()
     accelerator = str(trainer_config.accelerator).lower()
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     problems = []
     on_cpu = accelerator == "cpu" or (accelerator in ("auto", "none") and not cuda)
-    if "deepspeed" in name:
+    if "deepspeed" in key:
         if on_cpu:
             problems.append(f"trainer.strategy = {name!r} needs CUDA GPUs and this machine has none (accelerator "
                             f"{accelerator!r}). On CPU use ddp or lit_dist.strategies.FSDP2Strategy (configs/fsdp2.yaml).")
         if importlib.util.find_spec("deepspeed") is None:
             problems.append(f"trainer.strategy = {name!r} but DeepSpeed is not installed. Install it with "
                             "`pip install --no-build-isolation deepspeed` (bash .ci/setup does).")
-    fsdp1 = name == "fsdp" or name.endswith(("strategies.fsdpstrategy", "fsdp.fsdpstrategy"))
+    fsdp1 = key == "fsdp" or key.endswith(("strategies.fsdpstrategy", "fsdp.fsdpstrategy"))
     if fsdp1 and on_cpu:
         problems.append(f"trainer.strategy = {name!r} (FSDP1) needs CUDA GPUs and this machine has none. On CPU use "
                         "lit_dist.strategies.FSDP2Strategy (configs/fsdp2.yaml), which shards over gloo.")
@@ -184,8 +185,7 @@ def check_deepspeed(config, world_size: int) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a DeepSpeed run: its JSON vs the Trainer's values, offload vs optimizer, ZeRO-3."""
     import json
 
-    name = strategy_name(config.trainer.strategy)
-    if "deepspeed" not in name:
+    if "deepspeed" not in strategy_name(config.trainer.strategy).lower():
         return [], []
     args = _init_args(config.trainer.strategy)
     ds = args.get("config")
@@ -194,7 +194,8 @@ def check_deepspeed(config, world_size: int) -> tuple[list[str], list[str]]:
             with open(ds) as f:
                 ds = json.load(f)
         except (OSError, ValueError) as exc:
-            return [f"trainer.strategy.init_args.config = {ds!r}: cannot read it as JSON ({exc})"], []
+            return [f"trainer.strategy.init_args.config = {ds!r}: cannot read it as JSON ({exc}); a relative "
+                    f"path is taken from the working directory, {os.getcwd()}"], []
     ds = ds or {}
     zero = ds.get("zero_optimization", {})
     stage = zero.get("stage", args.get("stage", 2))
