@@ -1,0 +1,86 @@
+"""Samples/s and peak memory per strategy preset, one reference model: the GPU table of README.md.
+
+Each preset in configs/ runs `lit-dist fit` in its own process on the same model, data and
+batch: a residual MLP (benchmarks.models.MLPClassifier; ~420 M parameters on GPUs), random
+in-memory 32x32 images, AdamW (DeepSpeed's CPU Adam where the preset offloads), lit-dist's
+default precision (bf16-mixed on GPUs). Samples/s are timed after the warm-up steps; peak
+memory is the most any rank's CUDA allocator held (torch.cuda.max_memory_allocated).
+
+    .venv/bin/python -m benchmarks.bench_strategies              # every preset, all GPUs of the machine
+    .venv/bin/python -m benchmarks.bench_strategies --presets ddp fsdp2 --devices 2
+
+Without CUDA it checks itself: the presets that run on CPU (ddp, fsdp2) on 2 processes with a
+small model; memory is then the peak resident size of the largest process, which includes
+the Python interpreter and torch.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from benchmarks.common import machine, parse_bench
+from benchmarks.models import MLPClassifier
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_PRESETS = ["ddp", "fsdp", "fsdp2", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload",
+               "deepspeed_zero3_offload"]
+CPU_PRESETS = ["ddp", "fsdp2"]
+BLOCKS = "[benchmarks.models.MLPBlock]"
+
+
+def run(preset: str, args: argparse.Namespace, root: str) -> dict:
+    steps = args.warmup + args.steps
+    cmd = [os.path.join(os.path.dirname(sys.executable), "lit-dist"), "fit", "--config", f"configs/{preset}.yaml",
+           "--trainer.devices", str(args.devices), "--trainer.max_steps", str(steps),
+           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+           "--trainer.enable_checkpointing", "false", "--export.filename", "null", "--run.root_dir", root,
+           "--run.run_id", preset, "--trainer.callbacks+=benchmarks.common.StepTimer",
+           "--trainer.callbacks.warmup_steps", str(args.warmup), "--trainer.callbacks+=benchmarks.common.PeakMemory",
+           "--model.net", "benchmarks.models.MLPClassifier", "--model.net.width", str(args.width),
+           "--model.net.depth", str(args.depth), "--data", "benchmarks.common.InMemoryData",
+           "--data.num_samples", str(steps * args.batch * args.devices), "--data.batch_size_per_device", str(args.batch)]
+    if not torch.cuda.is_available():
+        cmd += ["--trainer.accelerator", "cpu"]
+    if "fsdp" in preset:
+        cmd += ["--trainer.strategy.block_classes", BLOCKS]
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]}
+    return parse_bench(out.stdout)
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=GPU_PRESETS if cuda else CPU_PRESETS)
+    parser.add_argument("--devices", type=int, default=torch.cuda.device_count() if cuda else 2)
+    parser.add_argument("--width", type=int, default=4096 if cuda else 1024)
+    parser.add_argument("--depth", type=int, default=24 if cuda else 4)
+    parser.add_argument("--batch", type=int, default=256 if cuda else 16, help="samples per device per step")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30 if cuda else 10)
+    args = parser.parse_args()
+    with torch.device("meta"):
+        params = sum(p.numel() for p in MLPClassifier(width=args.width, depth=args.depth).parameters())
+    where = (f"{args.devices} x {torch.cuda.get_device_name(0)}" if cuda else f"{args.devices} CPU processes (gloo)")
+    print(f"machine: {machine()}; {where}")
+    print(f"model: MLPClassifier width {args.width} depth {args.depth}, {params / 1e6:.0f} M parameters; batch "
+          f"{args.batch} per device; {args.steps} timed steps after {args.warmup}\n")
+    memory = "peak CUDA memory per GPU" if cuda else "peak resident memory per process"
+    print(f"| preset | samples/s | {memory} |\n|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="lit-dist-bench-") as root:
+        for preset in args.presets:
+            r = run(preset, args, root)
+            if "error" in r:
+                print(f"| `{preset}.yaml` | failed: {r['error'][:200]} | |", flush=True)
+                continue
+            samples = r["steps_per_s"] * args.batch * args.devices
+            print(f"| `{preset}.yaml` | {samples:,.0f} | {r['peak_bytes'] / 2**30:.1f} GiB |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
