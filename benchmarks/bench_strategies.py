@@ -34,7 +34,7 @@ BLOCKS = "[benchmarks.models.MLPBlock]"
 
 def run(preset: str, args: argparse.Namespace, root: str) -> dict:
     steps = args.warmup + args.steps
-    cmd = [os.path.join(os.path.dirname(sys.executable), "lit-dist"), "fit", "--config", f"configs/{preset}.yaml",
+    cmd = [sys.executable, "-m", "lit_dist", "fit", "--config", f"configs/{preset}.yaml",
            "--trainer.devices", str(args.devices), "--trainer.max_steps", str(steps),
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
            "--trainer.enable_checkpointing", "false", "--export.filename", "null", "--run.root_dir", root,
@@ -47,7 +47,7 @@ def run(preset: str, args: argparse.Namespace, root: str) -> dict:
         cmd += ["--trainer.accelerator", "cpu"]
     if "fsdp" in preset:
         cmd += ["--trainer.strategy.block_classes", BLOCKS]
-    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}, capture_output=True, text=True)
     if out.returncode:
         return {"error": (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]}
     return parse_bench(out.stdout)
