@@ -73,6 +73,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         activation_checkpointing: bool = False,
         save_distributed_checkpoint: bool = True,
+        bf16_gather: bool = True,
         **kwargs,
     ):
         """Configure FSDP2.
@@ -83,12 +84,15 @@ class FSDP2Strategy(ModelParallelStrategy):
             reshard_after_forward: Free gathered parameters after each block's forward (less memory, one more all-gather).
             activation_checkpointing: Recompute each block's activations in the backward pass instead of storing them.
             save_distributed_checkpoint: Each rank saves its shard (a folder); false gathers one file on rank 0.
+            bf16_gather: Under trainer.precision bf16-mixed, gather parameters in bf16 and reduce gradients in
+                float32 (half the gathered memory and traffic); the shards and optimizer stay float32.
         """
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
         self.block_classes = import_classes(block_classes or [], "trainer.strategy.init_args.block_classes")
         self.reshard_after_forward = reshard_after_forward
         self.activation_checkpointing = activation_checkpointing
+        self.bf16_gather = bf16_gather
 
     def setup_environment(self) -> None:
         # Pure data parallelism over every device of every node: one data-parallel dimension.
@@ -98,11 +102,14 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def shard(self, net: nn.Module) -> None:
         """Apply activation checkpointing (if asked) and ``fully_shard`` to the blocks, then to ``net``."""
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if getattr(net, "_lit_dist_sharded", False):
             return
         mesh = self.device_mesh["data_parallel"]
+        # Autocast alone (Lightning's bf16-mixed) would still gather and reduce float32 parameters.
+        bf16 = self.bf16_gather and getattr(self.precision_plugin, "precision", None) == "bf16-mixed"
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         blocks = find_blocks(net, self.block_classes, "trainer.strategy.init_args.block_classes") if self.block_classes else []
         if self.activation_checkpointing and blocks:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -112,8 +119,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, tuple(self.block_classes)))
             blocks = find_blocks(net, self.block_classes, "trainer.strategy.init_args.block_classes")
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(net, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+        fully_shard(net, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         net._lit_dist_sharded = True
 
 

@@ -73,3 +73,20 @@ class StopAfterEpoch(Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         if trainer.current_epoch >= self.epoch:
             trainer.should_stop = True
+
+
+class GatheredDtype(Callback):
+    """Writes the dtypes an FSDP2 block's parameters have inside its forward (gathered) to ``{run dir}/gathered-rank{N}.json``."""
+
+    def on_train_start(self, trainer, pl_module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.dtypes = set()
+        block = next(m for m in pl_module.net.modules() if isinstance(m, FSDPModule) and m is not pl_module.net)
+        # Registered after fully_shard's own pre-forward hook, so it runs once the block is gathered.
+        block.register_forward_pre_hook(lambda module, args: self.dtypes.update(str(p.dtype) for p in module.parameters()))
+
+    def on_train_end(self, trainer, pl_module):
+        run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+        with open(os.path.join(run_dir, f"gathered-rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(sorted(self.dtypes), f)
