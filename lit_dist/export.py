@@ -23,6 +23,8 @@ NET_PREFIX = "net."
 
 def strip_prefix(state: dict, prefix: str = NET_PREFIX) -> dict:
     """The wrapped network's entries of a LightningModule state dict (LitModel keeps it as ``net``)."""
+    # DeepSpeed checkpoints of Lightning < 2.1 name everything under the strategy's wrapper.
+    state = {k.removeprefix("_forward_module."): v for k, v in state.items()}
     if any(k.startswith(prefix) for k in state):
         return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     return dict(state)

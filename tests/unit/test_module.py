@@ -88,3 +88,15 @@ def test_compile_keeps_parameter_names_so_checkpoints_stay_portable():
     compiled = LitModel(SimpleCNN(num_classes=3), compile=True)
     compiled.configure_model()
     assert list(compiled.state_dict()) == list(plain.state_dict())
+
+
+def test_exported_state_is_the_network_alone_whatever_wrapped_it():
+    import torch
+
+    from lit_dist.export import strip_prefix, to_full_precision
+
+    w = torch.ones(2, dtype=torch.bfloat16)
+    # LitModel's own keys, an old Lightning DeepSpeed wrapper's, and a network saved bare.
+    for state in ({"net.fc.weight": w, "loss_fn.weight": w}, {"_forward_module.net.fc.weight": w}, {"fc.weight": w}):
+        exported = to_full_precision(strip_prefix(state))
+        assert list(exported) == ["fc.weight"] and exported["fc.weight"].dtype == torch.float32
