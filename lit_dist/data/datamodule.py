@@ -203,23 +203,21 @@ class BucketDataModule(LightningDataModule):
         return MixedDataset(datasets, groups)
 
     def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool):
-        import pyarrow as pa
-
         from lit_dist.data.dataset import BucketImageDataset
 
-        take = pa.array(rows)
         return BucketImageDataset(
             root=source.image_root,
-            filenames=meta.filenames.take(take),
+            filenames=meta.filenames,
             bucket_sizes=self.bucket_sizes,
             bucket_ids=bucket_ids,
-            labels=None if meta.labels is None else meta.labels[rows],
+            labels=meta.labels,
             rows=rows if meta.rows is None else meta.rows[rows],
-            extra={name: column.take(take) for name, column in meta.extra.items()},
+            extra=meta.extra,
             random_crop=random_crop,
             seed=self.seed,
             storage_options=self.storage_options,
             max_image_pixels=self.max_image_pixels,
+            positions=rows,
         )
 
     def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

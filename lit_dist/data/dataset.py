@@ -34,25 +34,29 @@ class BucketImageDataset(torch.utils.data.Dataset):
         seed: int = 0,
         storage_options: dict | None = None,
         max_image_pixels: int | None = 178_956_970,
+        positions: np.ndarray | None = None,
     ):
         self.url = root
         self.storage_options = storage_options or {}
         self._fs, self._fs_pid, self.root = None, None, None
+        # The whole table's columns, shared by every split (and by forked loader workers): a split is
+        # ``positions``, the table position of each of its samples, not a copy of names and captions.
         self.filenames = filenames  # pyarrow string array: one shared buffer, no per-row Python objects
         self.extra = extra or {}  # name -> pyarrow array passed through to batches
+        self.labels = labels
+        self.positions = positions if positions is not None else np.arange(len(filenames))
         self.max_image_pixels = max_image_pixels
         self._open_fs()  # also resolves self.root
         self.bucket_sizes = bucket_sizes  # (K, 2) of (width, height)
         self.bucket_ids = bucket_ids
-        self.labels = labels
-        self.rows = rows if rows is not None else np.arange(len(filenames))
+        self.rows = rows if rows is not None else self.positions
         self.random_crop = random_crop
         self.seed = seed
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
         self._logged: set[int] = set()  # bad samples already reported by this process
 
     def __len__(self) -> int:
-        return len(self.filenames)
+        return len(self.positions)
 
     def _open_fs(self):
         """The filesystem, made anew in each process: an s3fs client carried into a forked loader
@@ -87,10 +91,11 @@ class BucketImageDataset(torch.utils.data.Dataset):
             "weight": torch.full((len(indices),), weight, dtype=torch.float32),
             "bad_samples": torch.tensor(failures),  # images of this batch that were replaced
         }
+        at = self.positions[used]
         if self.labels is not None:
-            batch["label"] = torch.from_numpy(self.labels[used])
+            batch["label"] = torch.from_numpy(self.labels[at])
         for name, column in self.extra.items():
-            batch[name] = _column_batch(column.take(used))
+            batch[name] = _column_batch(column.take(at))
         return batch
 
     def _load_into(self, out: np.ndarray, index: int, epoch: int) -> tuple[int, int]:
@@ -119,7 +124,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         return int(members[(pos + 1) % len(members)])
 
     def _path(self, index: int) -> str:
-        return f"{self.root}/{self.filenames[int(index)].as_py()}"
+        return f"{self.root}/{self.filenames[int(self.positions[index])].as_py()}"
 
     def _decode(self, index: int, width: int, height: int, epoch: int) -> np.ndarray:
         from PIL import Image, ImageOps

@@ -96,3 +96,30 @@ def test_a_decompression_bomb_is_refused_and_replaced(tmp_path):
     batch = dataset[(0, [0], 1.0)]
     assert batch["row"].tolist() == [1] and batch["bad_samples"] == 1
     assert batch["image"][0, 0, 0].tolist() == [255, 0, 0]
+
+
+def test_every_split_serves_each_sample_its_own_row_label_and_caption(demo_data, tmp_path):
+    from lit_dist.data.datamodule import BucketDataModule
+
+    table = pq.read_table(demo_data)
+    names = table.column("filename").to_pylist()
+    n = len(names)
+    labels = table.column("label").to_pylist()
+    widths = table.column("width").to_pylist()
+    widths[3] = 0  # a bad row: table rows and kept positions differ from here on
+    table = pa.table({"filename": names, "width": widths, "height": table.column("height"), "label": labels,
+                      "caption": [f"{name}|{label}" for name, label in zip(names, labels, strict=True)],
+                      "split": ["val" if i % 5 == 0 else "train" for i in range(n)]})
+    path = tmp_path / "m.parquet"
+    pq.write_table(table, path)
+    dm = BucketDataModule(metadata=str(path), root=str(demo_data.parent), batch_size_per_device=4, resolution=32, num_workers=0)
+    dm.setup("fit")
+    for split, expected in (("train", n - n // 5 - 1), ("val", (n + 4) // 5), ("predict", n - 1)):
+        dataset = dm._splits[split]
+        assert len(dataset) == expected, split
+        batch = dataset[(0, list(range(0, len(dataset), 7)), 1.0)]
+        for row, label, caption in zip(batch["row"].tolist(), batch["label"].tolist(), batch["caption"], strict=True):
+            assert row != 3 and caption == f"{names[row]}|{labels[row]}", split
+            assert label == (dm.classes.index(labels[row]) if dm.classes else labels[row]), split
+        if split != "predict":
+            assert all(("val" if r % 5 == 0 else "train") == split for r in batch["row"].tolist())
