@@ -72,7 +72,17 @@ class BucketImageDataset(torch.utils.data.Dataset):
         return self._fs
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fs": None, "_fs_pid": None}
+        state = {**self.__dict__, "_fs": None, "_fs_pid": None}
+        if len(self.positions) < len(self.filenames):
+            # Pickled for a spawned loader worker (forked ones share the parent's columns): send
+            # this split's rows only, not the whole table.
+            import pyarrow as pa
+
+            take = pa.array(self.positions)
+            state.update(filenames=self.filenames.take(take), extra={k: v.take(take) for k, v in self.extra.items()},
+                         labels=None if self.labels is None else self.labels[self.positions],
+                         positions=np.arange(len(self.positions)), _members=None)
+        return state
 
     def __getitem__(self, request: tuple[int, list[int], float]) -> dict[str, torch.Tensor]:
         epoch, indices, weight = request

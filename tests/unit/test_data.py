@@ -99,7 +99,7 @@ def test_a_decompression_bomb_is_refused_and_replaced(tmp_path):
 
 
 def test_every_split_serves_each_sample_its_own_row_label_and_caption(demo_data, tmp_path):
-    from lit_dist.data.datamodule import BucketDataModule
+    import pickle
 
     table = pq.read_table(demo_data)
     names = table.column("filename").to_pylist()
@@ -123,3 +123,10 @@ def test_every_split_serves_each_sample_its_own_row_label_and_caption(demo_data,
             assert label == (dm.classes.index(labels[row]) if dm.classes else labels[row]), split
         if split != "predict":
             assert all(("val" if r % 5 == 0 else "train") == split for r in batch["row"].tolist())
+    # A spawned loader worker gets the split pickled: its own rows only, serving the same batches.
+    val = dm._splits["val"]
+    sent = pickle.dumps(val)
+    assert len(sent) < len(pickle.dumps(dm._splits["predict"])) / 3
+    request = (0, list(range(0, len(val), 3)), 1.0)
+    a, b = val[request], pickle.loads(sent)[request]
+    assert a["caption"] == b["caption"] and all(torch.equal(a[k], b[k]) for k in ("row", "label", "image"))
