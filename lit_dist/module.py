@@ -62,6 +62,7 @@ class LitModel(LightningModule):
         compile: bool = False,
         input_key: str = "image",
         target_key: str = "label",
+        float32_matmul_precision: Literal["highest", "high", "medium"] = "high",
     ):
         """Wrap a network.
 
@@ -76,6 +77,8 @@ class LitModel(LightningModule):
             compile: Compile the network with torch.compile (keeps parameter names, so checkpoints stay portable).
             input_key: Key of the network input in a batch.
             target_key: Key of the target in a batch.
+            float32_matmul_precision: float32 matrix products on GPUs: highest (true float32), high (TF32 tensor
+                cores) or medium (bf16); CPU runs are left as they are.
         """
         super().__init__()
         problems = []
@@ -85,7 +88,14 @@ class LitModel(LightningModule):
             problems.append(f"model.warmup_steps = {warmup_steps}: must be >= 0")
         if lr_scaling not in ("none", "linear", "sqrt"):
             problems.append(f"model.lr_scaling = {lr_scaling!r}: must be none, linear or sqrt")
+        if float32_matmul_precision not in ("highest", "high", "medium"):
+            problems.append(f"model.float32_matmul_precision = {float32_matmul_precision!r}: must be highest, high "
+                            "or medium")
         ConfigError.collect(problems)
+        if torch.cuda.is_available():
+            # Process-wide, and before the Trainer sets up its device (which warns about tensor cores
+            # left unused); every process of a run builds its own LitModel, so each gets it.
+            torch.set_float32_matmul_precision(float32_matmul_precision)
         self.save_hyperparameters(ignore=["net", "loss"])
         self.net = net
         self.loss = loss if loss is not None else nn.CrossEntropyLoss()

@@ -100,3 +100,25 @@ def test_exported_state_is_the_network_alone_whatever_wrapped_it():
     for state in ({"net.fc.weight": w, "loss_fn.weight": w}, {"_forward_module.net.fc.weight": w}, {"fc.weight": w}):
         exported = to_full_precision(strip_prefix(state))
         assert list(exported) == ["fc.weight"] and exported["fc.weight"].dtype == torch.float32
+
+
+def test_float32_matmul_precision_applies_on_gpu_machines_only(monkeypatch):
+    import pytest
+    import torch
+
+    from lit_dist.errors import ConfigError
+    from lit_dist.models import SimpleCNN
+    from lit_dist.module import LitModel
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        LitModel(SimpleCNN(), float32_matmul_precision="medium")
+        assert torch.get_float32_matmul_precision() == before, "CPU runs are left as they are"
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        LitModel(SimpleCNN())
+        assert torch.get_float32_matmul_precision() == "high", "TF32 tensor cores by default on GPUs"
+        with pytest.raises(ConfigError, match="float32_matmul_precision = 'fast'"):
+            LitModel(SimpleCNN(), float32_matmul_precision="fast")
+    finally:
+        torch.set_float32_matmul_precision(before)
