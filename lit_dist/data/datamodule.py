@@ -140,6 +140,9 @@ class BucketDataModule(LightningDataModule):
         self.classes: list[str] | None = None
         self._splits: dict = {}
         self._resume: dict | None = None
+        # After a resume that re-planned an epoch: that epoch, the parts of it trained with other global
+        # batch sizes, and Lightning's batch count where the current part's plan began.
+        self._replan: dict | None = None
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -285,10 +288,36 @@ class BucketDataModule(LightningDataModule):
         sampler = self.train_sampler(*self.world())
         if self._resume:
             # Lightning takes the first batch of a run from this loader before it sets the epoch.
-            sampler.set_epoch(self._resume["epoch"])
-            sampler.resume(self._resume["epoch"], self._resume["batches_done"])
-            self._resume = None
+            state, self._resume = self._resume, None
+            epoch, done = state["epoch"], state["batches_done"]
+            saved, earlier = state.get("global_batch_size", sampler.global_batch_size), state.get("earlier", [])
+            sampler.set_epoch(epoch)
+            left, waiting = sampler.resume(epoch, done, saved, earlier)
+            if saved != sampler.global_batch_size or earlier:
+                # Lightning ends the epoch when its count of batches reaches the loader's length: it must
+                # count from where this epoch's remaining `left` batches end there.
+                lightning = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+                start = len(sampler) - left
+                self._shift_lightning_position(start - lightning)
+                if saved == sampler.global_batch_size:  # the same part goes on: its batches keep counting
+                    self._replan = {"epoch": epoch, "earlier": earlier, "offset": start - done}
+                else:
+                    self._replan = {"epoch": epoch, "earlier": [*earlier, [saved, done]], "offset": start}
+                    rank_zero_warn(
+                        f"lit-dist: resuming epoch {epoch} with a global batch of {sampler.global_batch_size} samples "
+                        f"(data.batch_size_per_device x world size); the checkpoint's was {saved}. The batches "
+                        f"trained stand; the epoch's other samples are regrouped into {left} batches of the new "
+                        f"size, none trained twice ({waiting} that fill no whole batch wait for a later epoch)."
+                    )
         return self._loader("train", sampler)
+
+    def _shift_lightning_position(self, delta: int) -> None:
+        """Move Lightning's count of the epoch's batches by ``delta``: after a re-planned resume the epoch
+        has another number of batches left, and Lightning ends an epoch when its count reaches the
+        loader's length."""
+        current = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(current, name, getattr(current, name) + delta)
 
     def val_dataloader(self):
         return self._eval_loader("val")
@@ -315,17 +344,24 @@ class BucketDataModule(LightningDataModule):
     # -- resume -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The training position, saved in checkpoints: (epoch, batches done in it)."""
+        """The training position, saved in checkpoints: epoch, batches done in it, the global batch size,
+        and the parts of the epoch trained with other global batch sizes (after such a resume)."""
         trainer = self.trainer
         if trainer is None or trainer.state.fn != "fit":  # also during fit's validation runs
             return {}
         # `processed`, not `completed`: a checkpoint written in on_train_batch_end runs before Lightning
         # counts that batch as completed, and that batch must not be trained on twice.
         progress = trainer.fit_loop.epoch_loop.batch_progress
+        # The global batch too: a run resumed with another one re-plans the rest of the epoch.
+        batch = {"global_batch_size": self.batch_size_per_device * trainer.world_size}
         if progress.is_last_batch:  # the epoch is done: resume at the start of the next one
             # `started` counts the epochs begun: the next one's number, also after Lightning closed the epoch.
-            return {"epoch": trainer.fit_loop.epoch_progress.current.started, "batches_done": 0}
-        return {"epoch": trainer.current_epoch, "batches_done": progress.current.processed}
+            return {"epoch": trainer.fit_loop.epoch_progress.current.started, "batches_done": 0, **batch}
+        replan = self._replan if self._replan and self._replan["epoch"] == trainer.current_epoch else None
+        if replan is None:
+            return {"epoch": trainer.current_epoch, "batches_done": progress.current.processed, **batch}
+        return {"epoch": trainer.current_epoch, "batches_done": progress.current.processed - replan["offset"], **batch,
+                "earlier": replan["earlier"]}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position without replaying the loader: the sampler skips what was done."""

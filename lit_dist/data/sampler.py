@@ -11,6 +11,7 @@ The class subclasses ``DistributedSampler`` only so that Lightning recognises it
 as already distributed and does not wrap it in a sampler of its own.
 """
 
+import copy
 from collections.abc import Iterator
 
 import numpy as np
@@ -67,6 +68,7 @@ class BucketBatchSampler(DistributedSampler):
         times = per_bucket[present] if per_bucket.ndim else np.full(len(present), int(per_bucket))
         self.repeats = times if shuffle else np.ones(len(present), dtype=np.int64)
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches done) of a mid-epoch checkpoint
+        self._replanned: tuple[int, np.ndarray] | None = None  # (epoch, this rank's batches) after a batch change
 
     @property
     def global_batch_size(self) -> int:
@@ -81,12 +83,67 @@ class BucketBatchSampler(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def resume(self, epoch: int, batches_done: int) -> None:
-        """Skip the first ``batches_done`` batches the next time ``epoch`` is iterated (and only then)."""
-        self._resume_at = (epoch, batches_done)
+    def resume(self, epoch: int, batches_done: int, global_batch_size: int | None = None,
+               earlier: list | tuple = ()) -> tuple[int, int]:
+        """Skip the first ``batches_done`` global batches the next time ``epoch`` is iterated (and only then).
+
+        ``global_batch_size`` is the checkpoint's, and ``earlier`` the (global batch size, batches
+        trained) of parts of this epoch that ran with yet other sizes before it. When the sizes
+        differ from this sampler's (world size or batch size changed), the rest of the epoch's
+        plan is regrouped into global batches of the new size: no sample of the epoch is trained
+        twice. Returns (batches this epoch has left, samples that fill no whole batch and wait for
+        a later epoch).
+        """
+        saved = global_batch_size or self.global_batch_size
+        if saved == self.global_batch_size and not earlier:
+            self._resume_at = (epoch, batches_done)
+            return len(self) - batches_done, 0
+        segments = [*map(tuple, earlier), (saved, batches_done)]
+        rest, left = self._plan_after(epoch, segments)
+        if saved != self.global_batch_size:
+            rest, left = self._regroup(rest, epoch, len(segments))
+        b = self.batch_size_per_device
+        self._replanned = (epoch, rest[:, self.rank * b : (self.rank + 1) * b])
+        return len(rest), left
+
+    def _plan_after(self, epoch: int, segments: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
+        """The global batches of ``epoch`` not yet trained after ``segments`` (global batch size, batches
+        trained), each part regrouped from the rest of the one before; and the samples the last
+        regrouping left over.
+
+        The first plan is recomputed as a world of one rank holding whole global batches (a global
+        batch's composition and the batch order depend on its size only, not on how ranks split it).
+        """
+        planner = copy.copy(self)
+        planner.batch_size_per_device, planner.num_replicas, planner.rank, planner.epoch = segments[0][0], 1, 0, epoch
+        plan, left = planner._train_batches(), 0
+        for step, (size, _) in enumerate(segments[1:], start=1):
+            plan, left = self._regroup(plan[segments[step - 1][1] :], epoch, step, size)
+        return plan[segments[-1][1] :], left
+
+    def _regroup(self, rest: np.ndarray, epoch: int, step: int, size: int | None = None) -> tuple[np.ndarray, int]:
+        """The samples of global batches ``rest`` as global batches of ``size`` (default: this sampler's),
+        still one bucket each, in a new order: (batches, samples that fill none)."""
+        g = size or self.global_batch_size
+        groups = self.bucket_ids[rest[:, 0]] if len(rest) else np.zeros(0, dtype=np.int64)
+        regrouped, left = [], 0
+        for group in np.unique(groups):
+            samples = rest[groups == group].ravel()  # in the earlier plan's order
+            whole = len(samples) - len(samples) % g
+            regrouped.append(samples[:whole].reshape(-1, g))
+            left += len(samples) - whole
+        if not regrouped:
+            return np.zeros((0, g), dtype=np.int64), left
+        stacked = np.concatenate(regrouped)
+        return stacked[np.random.default_rng([self.seed, epoch, 2, step]).permutation(len(stacked))], left
 
     def __iter__(self) -> Iterator[tuple[int, list[int], float]]:
         if self.shuffle:
+            if self._replanned is not None and self._replanned[0] == self.epoch:
+                batches, self._replanned = self._replanned[1], None
+                for batch in batches:
+                    yield self.epoch, batch.tolist(), 1.0
+                return
             # Resuming mid-epoch skips the batches already trained on: the plan is recomputed from
             # (seed, epoch), so nothing is decoded or replayed to get back to the position.
             start = self._resume_at[1] if self._resume_at and self._resume_at[0] == self.epoch else 0

@@ -75,6 +75,16 @@ class StopAfterEpoch(Callback):
             trainer.should_stop = True
 
 
+class RowRecorder(Callback):
+    """Keeps, for every training batch, ``(epoch, metadata rows of its samples)``."""
+
+    def __init__(self):
+        self.batches = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append((trainer.current_epoch, batch["row"].tolist()))
+
+
 class GatheredDtype(Callback):
     """Writes the dtypes an FSDP2 block's parameters have inside its forward (gathered) to ``{run dir}/gathered-rank{N}.json``."""
 

@@ -1,5 +1,7 @@
 """Stopping mid-epoch and resuming gives the same weights as never stopping (one process)."""
 
+import contextlib
+
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
@@ -9,30 +11,34 @@ from lit_dist.ckpt.store import STATE
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.module import LitModel
 from tests.helpers.nets import DropoutCNN
-from tests.helpers.recorder import StopAfterEpoch, StopAtStep
+from tests.helpers.recorder import RowRecorder, StopAfterEpoch, StopAtStep
 
 
 def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True, stop_after_epoch=None,
-        dirpath=None, storage_options=None):
+        dirpath=None, storage_options=None, batch_size=8, extra=()):
     seed_everything(0)
     model = LitModel(DropoutCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
-    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
+    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=batch_size, num_workers=0, val_fraction=0.1)
     checkpointing = Checkpointing(dirpath=dirpath or str(root / "ckpt"), every_n_epochs=None, storage_options=storage_options)
     if not restore_rng:
         checkpointing.on_load_checkpoint = lambda *args: None
     trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[checkpointing] + ([StopAtStep(stop)] if stop else [])
-                      + ([StopAfterEpoch(stop_after_epoch)] if stop_after_epoch is not None else []),
+                      + ([StopAfterEpoch(stop_after_epoch)] if stop_after_epoch is not None else []) + list(extra),
                       num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root)
     ckpt_path = checkpointing.resolve_ckpt_path(trainer, "auto") if resume else None
     trainer.fit(model, dm, ckpt_path=ckpt_path)
     return model, trainer, checkpointing
 
 
-def steps_per_epoch(demo_data) -> int:
-    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
+def train_sampler(demo_data, batch_size=8):
+    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=batch_size, num_workers=0, val_fraction=0.1)
     dm.setup("fit")
-    return len(dm.train_sampler(1, 0))
+    return dm.train_sampler(1, 0)
+
+
+def steps_per_epoch(demo_data, batch_size=8) -> int:
+    return len(train_sampler(demo_data, batch_size))
 
 
 @pytest.mark.parametrize("where", ["mid-epoch-0", "end-of-epoch-0", "mid-epoch-1", "early-stop-after-epoch-0"])
@@ -49,7 +55,7 @@ def test_resume_matches_an_uninterrupted_run_bitwise(tmp_path, demo_data, where)
                                     stop_after_epoch=0 if early else None)
     assert stopped.global_step == stop
     saved = torch.load(f"{checkpointing.last_path}/{STATE}", weights_only=True)  # no pickled objects needed
-    position = {"epoch": stop // per_epoch, "batches_done": stop % per_epoch}
+    position = {"epoch": stop // per_epoch, "batches_done": stop % per_epoch, "global_batch_size": 8}
     assert saved["BucketDataModule"] == position
     assert len(saved["lit_dist"]["rng"]) == 1
     resumed, again_trainer, again = run(tmp_path / "b", demo_data, max_steps=end, resume=True)
@@ -84,3 +90,28 @@ def test_loader_worker_seeds_follow_seed_and_epoch_not_the_global_rng(demo_data)
         return seed
 
     assert base_seed(1, epoch=3) == base_seed(2, epoch=3) != base_seed(1, epoch=4)
+
+
+@pytest.mark.parametrize("parts", [[(8, 22), (4, None)], [(8, 10), (16, 3), (16, None)], [(8, 10), (16, 3), (4, None)]],
+                         ids=["smaller", "larger-then-same", "larger-then-smaller"])
+def test_resuming_with_another_global_batch_finishes_the_epoch_without_repeats(tmp_path, demo_data, parts):
+    # Another world size (a requeue onto other nodes) or batch size: the epoch's plan depends on the
+    # global batch, so the rest of the interrupted epoch is regrouped rather than skipped by count.
+    recorders, step = [], 0
+    for i, (batch_size, steps) in enumerate(parts):
+        recorders.append(RowRecorder())
+        step = step + steps if steps else None
+        changed = i > 0 and batch_size != parts[i - 1][0]
+        with pytest.warns(UserWarning, match=f"resuming epoch 0 with a global batch of {batch_size}") if changed \
+                else contextlib.nullcontext():
+            _, trainer, _ = run(tmp_path, demo_data, max_steps=10_000, stop=step, resume=i > 0, batch_size=batch_size,
+                                stop_after_epoch=None if step else 1, extra=[recorders[-1]])
+    batches = [b for r in recorders for b in r.batches]
+    epoch0 = [rows for epoch, rows in batches if epoch == 0]
+    seen = [r for rows in epoch0 for r in rows]
+    assert len(seen) == len(set(seen)), "no sample trained twice in the interrupted epoch"
+    assert len(seen) > 8 * steps_per_epoch(demo_data) - 3 * 16, "and the epoch's samples trained but a few"
+    last = parts[-1][0]
+    epoch1 = [rows for epoch, rows in batches if epoch == 1]
+    assert len(epoch1) == steps_per_epoch(demo_data, last) and all(len(rows) == last for rows in epoch1)
+    assert trainer.global_step == len(epoch0) + len(epoch1)

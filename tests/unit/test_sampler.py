@@ -132,3 +132,33 @@ def test_rows_grouped_by_bucket_chunk_by_chunk_equal_a_stable_sort():
     ids[ids == 3] = 2  # a bucket with no rows at all
     grouped = _group_rows(ids, np.bincount(ids), chunk=10_000)
     assert np.array_equal(grouped, np.argsort(ids, kind="stable"))
+
+
+@pytest.mark.parametrize("old_world,new_world", [(4, 2), (2, 4), (3, 5)])
+def test_resuming_on_another_world_size_trains_the_rest_of_the_epoch_once(old_world, new_world):
+    ids = np.random.default_rng(0).integers(0, 5, 1000)
+    b, done, epoch = 8, 7, 2
+
+    def ranks(world):
+        samplers = [BucketBatchSampler(ids, b, world, r, seed=3) for r in range(world)]
+        for s in samplers:
+            s.set_epoch(epoch)
+        return samplers
+
+    before = [list(s) for s in ranks(old_world)]
+    whole_epoch = [i for plan in before for _, idx, _ in plan for i in idx]
+    trained = [i for plan in before for _, idx, _ in plan[:done] for i in idx]
+    after = ranks(new_world)
+    outcomes = [s.resume(epoch, done, b * old_world) for s in after]
+    assert len(set(outcomes)) == 1, "every rank computes the same re-plan"
+    left, waiting = outcomes[0]
+    plans = [list(s) for s in after]
+    assert all(len(plan) == left for plan in plans), "equal batch counts on every rank"
+    for step in zip(*plans, strict=True):  # each global batch: one bucket, whole
+        assert len({ids[i] for _, idx, _ in step for i in idx}) == 1 and all(len(idx) == b for _, idx, _ in step)
+    rest = [i for plan in plans for _, idx, _ in plan for i in idx]
+    assert len(set(trained + rest)) == len(trained) + len(rest), "no sample of the epoch trained twice"
+    assert set(rest) <= set(whole_epoch) - set(trained)
+    assert len(trained) + len(rest) + waiting == len(whole_epoch) and waiting < 5 * b * new_world
+    after[0].set_epoch(epoch + 1)
+    assert len(list(after[0])) == len(after[0]), "the next epoch is planned as usual"
