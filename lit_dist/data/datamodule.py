@@ -293,7 +293,7 @@ class BucketDataModule(LightningDataModule):
             saved, earlier = state.get("global_batch_size", sampler.global_batch_size), state.get("earlier", [])
             sampler.set_epoch(epoch)
             left, waiting = sampler.resume(epoch, done, saved, earlier)
-            if saved != sampler.global_batch_size or earlier:
+            if earlier or (saved != sampler.global_batch_size and done):  # the sampler re-planned the epoch
                 # Lightning ends the epoch when its count of batches reaches the loader's length: it must
                 # count from where this epoch's remaining `left` batches end there.
                 lightning = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed

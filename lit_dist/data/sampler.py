@@ -95,7 +95,7 @@ class BucketBatchSampler(DistributedSampler):
         a later epoch).
         """
         saved = global_batch_size or self.global_batch_size
-        if saved == self.global_batch_size and not earlier:
+        if (saved == self.global_batch_size or batches_done == 0) and not earlier:  # the epoch's own plan
             self._resume_at = (epoch, batches_done)
             return len(self) - batches_done, 0
         segments = [*map(tuple, earlier), (saved, batches_done)]

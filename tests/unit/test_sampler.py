@@ -162,3 +162,13 @@ def test_resuming_on_another_world_size_trains_the_rest_of_the_epoch_once(old_wo
     assert len(trained) + len(rest) + waiting == len(whole_epoch) and waiting < 5 * b * new_world
     after[0].set_epoch(epoch + 1)
     assert len(list(after[0])) == len(after[0]), "the next epoch is planned as usual"
+
+
+def test_resuming_at_an_epoch_start_with_another_world_size_plans_the_epoch_afresh():
+    ids = np.random.default_rng(1).integers(0, 3, 300)
+    sampler = BucketBatchSampler(ids, 8, 2, 0, seed=3)
+    sampler.set_epoch(4)
+    assert sampler.resume(4, 0, global_batch_size=32) == (len(sampler), 0)
+    fresh = BucketBatchSampler(ids, 8, 2, 0, seed=3)
+    fresh.set_epoch(4)
+    assert [idx for _, idx, _ in sampler] == [idx for _, idx, _ in fresh]
