@@ -38,3 +38,25 @@ def test_ddp_stopped_mid_epoch_and_resumed_equals_an_uninterrupted_run_bitwise(t
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs after resume"
+
+
+def test_two_processes_resumed_on_one_finish_the_epoch_without_repeats(tmp_path, demo_data):
+    # A requeue onto fewer GPUs: the global batch changes (16 -> 8), so the epoch's rest is regrouped.
+    common = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
+              "--trainer.strategy", "ddp", "--data.batch_size_per_device", "8", "--data.num_workers", "0",
+              "--trainer.enable_progress_bar", "false", "--checkpoint.every_n_epochs", "null", "--trainer.max_steps",
+              "60", "--trainer.limit_val_batches", "0", "--run.root_dir", str(tmp_path), "--run.run_id", "elastic"]
+    two = lit_dist(*common, "--trainer.devices", "2", "--trainer.callbacks+=tests.helpers.recorder.StopAtStep",
+                   "--trainer.callbacks.step", str(STOP), "--trainer.callbacks+=tests.helpers.recorder.RowRecorder",
+                   "--trainer.callbacks.tag", "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = lit_dist(*common, "--trainer.devices", "1", "--trainer.callbacks+=tests.helpers.recorder.RowRecorder",
+                   "--trainer.callbacks.tag", "one")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "resuming epoch 0 with a global batch of 8 samples" in one.stderr and "the checkpoint's was 16" in one.stderr
+    run_dir = tmp_path / "quickstart" / "elastic"
+    batches = [b for name in ("two-rank0", "two-rank1", "one-rank0") for b in json.loads((run_dir / f"{name}.json").read_text())]
+    assert sum(1 for name in ("two-rank0", "two-rank1") for _ in json.loads((run_dir / f"{name}.json").read_text())) == 2 * STOP
+    epoch0 = [r for epoch, rows in batches if epoch == 0 for r in rows]
+    assert len(epoch0) == len(set(epoch0)), "no sample trained twice in the interrupted epoch"
+    assert any(epoch == 1 for epoch, _ in batches), "the resumed run went on into the next epoch"

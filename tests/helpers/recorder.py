@@ -76,13 +76,21 @@ class StopAfterEpoch(Callback):
 
 
 class RowRecorder(Callback):
-    """Keeps, for every training batch, ``(epoch, metadata rows of its samples)``."""
+    """Keeps, for every training batch of this rank, ``(epoch, metadata rows of its samples)``; at the end
+    also writes them to ``{run dir}/{tag}-rank{N}.json``."""
 
-    def __init__(self):
+    def __init__(self, tag: str = "rows"):
+        self.tag = tag
         self.batches = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.batches.append((trainer.current_epoch, batch["row"].tolist()))
+
+    def on_train_end(self, trainer, pl_module):
+        run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, f"{self.tag}-rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(self.batches, f)
 
 
 class GatheredDtype(Callback):
