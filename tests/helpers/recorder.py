@@ -6,6 +6,14 @@ import os
 from lightning.pytorch import Callback
 
 
+def write_rank_json(trainer, name: str, value) -> None:
+    """``value`` as ``{run dir}/{name}-rank{N}.json`` for this rank."""
+    run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, f"{name}-rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(value, f)
+
+
 class LossRecorder(Callback):
     """Writes every training step's loss of this rank to ``{run dir}/losses-rank{N}.json`` at the end."""
 
@@ -16,10 +24,7 @@ class LossRecorder(Callback):
         self.losses.append(float(outputs["loss"]))
 
     def on_train_end(self, trainer, pl_module):
-        run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, f"losses-rank{trainer.global_rank}.json"), "w") as f:
-            json.dump(self.losses, f)
+        write_rank_json(trainer, "losses", self.losses)
 
 
 class StopAtStep(Callback):
@@ -57,11 +62,8 @@ class WeightsDigest(Callback):
         for name, tensor in sorted(pl_module.state_dict().items()):
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-        run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, f"weights-rank{trainer.global_rank}.json"), "w") as f:
-            json.dump({"host": socket.gethostname(), "rank": trainer.global_rank, "node_rank": trainer.node_rank,
-                       "sha256": digest.hexdigest()}, f)
+        write_rank_json(trainer, "weights", {"host": socket.gethostname(), "rank": trainer.global_rank,
+                                             "node_rank": trainer.node_rank, "sha256": digest.hexdigest()})
 
 
 class StopAfterEpoch(Callback):
@@ -87,10 +89,7 @@ class RowRecorder(Callback):
         self.batches.append((trainer.current_epoch, batch["row"].tolist()))
 
     def on_train_end(self, trainer, pl_module):
-        run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, f"{self.tag}-rank{trainer.global_rank}.json"), "w") as f:
-            json.dump(self.batches, f)
+        write_rank_json(trainer, self.tag, self.batches)
 
 
 class GatheredDtype(Callback):
@@ -105,6 +104,4 @@ class GatheredDtype(Callback):
         block.register_forward_pre_hook(lambda module, args: self.dtypes.update(str(p.dtype) for p in module.parameters()))
 
     def on_train_end(self, trainer, pl_module):
-        run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
-        with open(os.path.join(run_dir, f"gathered-rank{trainer.global_rank}.json"), "w") as f:
-            json.dump(sorted(self.dtypes), f)
+        write_rank_json(trainer, "gathered", sorted(self.dtypes))
