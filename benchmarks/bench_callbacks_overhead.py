@@ -16,8 +16,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from benchmarks.bench_fit_overhead import run
-from benchmarks.common import machine
+from benchmarks.common import machine, run_bench
 
 
 class SlowHandler(BaseHTTPRequestHandler):
@@ -61,7 +60,7 @@ def main() -> None:
     for i in range(args.repeats):
         order = (("with", with_callbacks), ("without", base)) if i % 2 == 0 else (("without", base), ("with", with_callbacks))
         for name, cmd in order:
-            results[name].append(run(cmd)["steps_per_s"])
+            results[name].append(run_bench(cmd)["steps_per_s"])
     server.shutdown()
     med = {k: statistics.median(v) for k, v in results.items()}
     ratio = med["with"] / med["without"]

@@ -13,8 +13,7 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.bench_fit_overhead import run
-from benchmarks.common import machine
+from benchmarks.common import machine, run_bench
 
 
 def main() -> None:
@@ -35,7 +34,7 @@ def main() -> None:
     for i in range(args.repeats):
         order = (("lit-dist", lit), ("torchrun", plain)) if i % 2 == 0 else (("torchrun", plain), ("lit-dist", lit))
         for name, cmd in order:
-            results[name].append(run(cmd)["steps_per_s"])
+            results[name].append(run_bench(cmd)["steps_per_s"])
     med = {k: statistics.median(v) for k, v in results.items()}
     ratio = med["lit-dist"] / med["torchrun"]
     print(f"machine: {machine()}; DDP over gloo, 2 processes, {args.steps} steps, median of {args.repeats}")

@@ -11,25 +11,10 @@ steps/s ratio >= 0.97, time-to-first-step ratio <= 1.25.
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
-from benchmarks.common import machine, parse_bench
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(cmd: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    started = time.time()
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    result = parse_bench(out.stdout)
-    result["to_first_step_s"] = result["first_step_at"] - started
-    return result
+from benchmarks.common import machine, run_bench
 
 
 def main() -> None:
@@ -50,7 +35,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {"lit-dist": [], "plain": []}
     for i in range(args.repeats):
         for name, cmd in (("lit-dist", lit), ("plain", plain)) if i % 2 == 0 else (("plain", plain), ("lit-dist", lit)):
-            results[name].append(run(cmd))
+            results[name].append(run_bench(cmd))
     med = {name: {k: statistics.median(r[k] for r in runs) for k in ("steps_per_s", "to_first_step_s")}
            for name, runs in results.items()}
     print(f"machine: {machine()}; {args.repeats} runs each, {args.steps} steps, medians")

@@ -7,13 +7,10 @@ the tensors each rank holds at the end of a step. Target (issue 4): FSDP2 <= 0.6
 """
 
 import os
-import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import machine, parse_bench
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import machine, run_bench
 
 
 def run(strategy: list[str], root: str) -> dict:
@@ -23,11 +20,7 @@ def run(strategy: list[str], root: str) -> dict:
            "--trainer.callbacks+=benchmarks.common.StateMemory", "--run.root_dir", root,
            "--model.net", "benchmarks.models.MLPClassifier", "--data", "benchmarks.common.InMemoryData",
            "--data.num_samples", "256", "--data.batch_size_per_device", "8", *strategy]
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(out.stderr[-4000:])
-    return parse_bench(out.stdout)
+    return run_bench(cmd)
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import resource
+import subprocess
 import time
 
 import torch
@@ -49,6 +50,23 @@ class StepTimer(Callback):
 
 def machine() -> str:
     return f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(cmd: list[str]) -> dict:
+    """Run a benchmark command from the repository root: its ``BENCH`` lines merged, and
+    ``to_first_step_s`` where the run reports its first step. RuntimeError with its output if it fails."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    started = time.time()
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    result = parse_bench(out.stdout)
+    if "first_step_at" in result:
+        result["to_first_step_s"] = result["first_step_at"] - started
+    return result
 
 
 def parse_bench(output: str) -> dict:

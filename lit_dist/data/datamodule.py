@@ -293,22 +293,20 @@ class BucketDataModule(LightningDataModule):
             saved, earlier = state.get("global_batch_size", sampler.global_batch_size), state.get("earlier", [])
             sampler.set_epoch(epoch)
             left, waiting = sampler.resume(epoch, done, saved, earlier)
-            if earlier or (saved != sampler.global_batch_size and done):  # the sampler re-planned the epoch
-                # Lightning ends the epoch when its count of batches reaches the loader's length: it must
-                # count from where this epoch's remaining `left` batches end there.
-                lightning = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-                start = len(sampler) - left
-                self._shift_lightning_position(start - lightning)
-                if saved == sampler.global_batch_size:  # the same part goes on: its batches keep counting
-                    self._replan = {"epoch": epoch, "earlier": earlier, "offset": start - done}
-                else:
-                    self._replan = {"epoch": epoch, "earlier": [*earlier, [saved, done]], "offset": start}
+            if sampler.replans(done, saved, earlier):
+                if saved != sampler.global_batch_size:  # a new part of the epoch starts, at batch 0
+                    earlier, done = [*earlier, [saved, done]], 0
                     rank_zero_warn(
                         f"lit-dist: resuming epoch {epoch} with a global batch of {sampler.global_batch_size} samples "
                         f"(data.batch_size_per_device x world size); the checkpoint's was {saved}. The batches "
                         f"trained stand; the epoch's other samples are regrouped into {left} batches of the new "
                         f"size, none trained twice ({waiting} that fill no whole batch wait for a later epoch)."
                     )
+                # Lightning ends the epoch when its count of batches reaches the loader's length: its count
+                # must stand where this epoch's remaining `left` batches end there.
+                start = len(sampler) - left
+                self._shift_lightning_position(start - self.trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+                self._replan = {"epoch": epoch, "earlier": earlier, "offset": start - done}
         return self._loader("train", sampler)
 
     def _shift_lightning_position(self, delta: int) -> None:

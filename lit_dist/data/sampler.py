@@ -95,7 +95,7 @@ class BucketBatchSampler(DistributedSampler):
         a later epoch).
         """
         saved = global_batch_size or self.global_batch_size
-        if (saved == self.global_batch_size or batches_done == 0) and not earlier:  # the epoch's own plan
+        if not self.replans(batches_done, saved, earlier):
             self._resume_at = (epoch, batches_done)
             return len(self) - batches_done, 0
         segments = [*map(tuple, earlier), (saved, batches_done)]
@@ -105,6 +105,11 @@ class BucketBatchSampler(DistributedSampler):
         b = self.batch_size_per_device
         self._replanned = (epoch, rest[:, self.rank * b : (self.rank + 1) * b])
         return len(rest), left
+
+    def replans(self, batches_done: int, global_batch_size: int, earlier: list | tuple = ()) -> bool:
+        """Whether resuming there needs another plan than the epoch's own: part of the epoch was
+        trained with another global batch size."""
+        return bool(earlier) or (global_batch_size != self.global_batch_size and batches_done > 0)
 
     def _plan_after(self, epoch: int, segments: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
         """The global batches of ``epoch`` not yet trained after ``segments`` (global batch size, batches
