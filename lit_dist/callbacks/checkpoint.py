@@ -165,12 +165,18 @@ class Checkpointing(Checkpoint):
             rank_zero_warn(f"lit-dist: checkpoint {store.url_of(bad)} is unusable: {problem}; "
                            + (f"falling back to {name}" if name else "trying an older one"))
         if name is None:
-            if skipped:
+            # A save cut off before its marker (on an object store it stays at its final name) never was a
+            # checkpoint: with only those the run has nothing to lose and starts over. A complete one that
+            # fails its manifest is progress that would be lost: that needs a person.
+            complete = set(store.complete())
+            damaged = [(n, p) for n, p in skipped if n in complete]
+            if damaged:
                 raise CheckpointError(
-                    f"ckpt_path: auto found {len(skipped)} checkpoints in {store.url} and none is usable "
-                    f"({'; '.join(f'{n}: {p}' for n, p in skipped)}). Move them away or pass ckpt_path: null to start "
-                    "over, or ckpt_path: <folder> to load one anyway.")
-            rank_zero_info(f"lit-dist: no checkpoint in {store.url} yet: starting from the beginning")
+                    f"ckpt_path: auto found {len(damaged)} complete checkpoints in {store.url} and none is usable "
+                    f"({'; '.join(f'{n}: {p}' for n, p in damaged)}). Move them away or pass ckpt_path: null to "
+                    "start over, or ckpt_path: <folder> to load one anyway.")
+            rank_zero_info(f"lit-dist: no checkpoint in {store.url} yet"
+                           + (f" ({len(skipped)} unfinished saves)" if skipped else "") + ": starting from the beginning")
             return None
         self.resumed_from = name
         rank_zero_info(f"lit-dist: resuming from {store.url_of(name)} (step {store.manifest(name).get('step')})")

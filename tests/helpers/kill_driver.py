@@ -62,7 +62,7 @@ def check(store: CheckpointStore) -> list[str]:
             latest = f.read().decode().strip()
         if latest not in complete:
             problems.append(f"latest names {latest!r}, which is not a complete checkpoint")
-    if store.names() and store.find_valid()[0] is None:
+    if complete and store.find_valid()[0] is None:  # unfinished saves alone: the next run starts over
         problems.append("ckpt_path: auto would find no usable checkpoint")
     return problems
 

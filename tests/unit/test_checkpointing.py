@@ -107,6 +107,19 @@ def test_no_usable_checkpoint_is_an_error_and_an_explicit_damaged_one_too(tmp_pa
         callback.resolve_ckpt_path(None, "auto")
 
 
+def test_a_first_save_cut_off_before_its_marker_means_starting_over(tmp_path):
+    # What an object store keeps of an upload killed mid-way: the folder at its final name, no marker.
+    (tmp_path / checkpoint_name(5)).mkdir()
+    (tmp_path / checkpoint_name(5) / STATE).write_bytes(b"half an upload")
+    callback = Checkpointing(dirpath=str(tmp_path))
+    callback._store = CheckpointStore(str(tmp_path))
+    assert callback.resolve_ckpt_path(None, "auto") is None
+    fake_checkpoints(callback._store, [(3, None)])  # an older complete one that is damaged: progress at stake
+    damage(tmp_path / checkpoint_name(3) / STATE, "flip")
+    with pytest.raises(CheckpointError, match="1 complete checkpoints .* none is usable"):
+        callback.resolve_ckpt_path(None, "auto")
+
+
 def test_an_interrupted_write_leaves_nothing_at_the_final_path(tmp_path):
     fs, path = filesystem(str(tmp_path / "state.ckpt"))
     write_atomically(fs, path, lambda f: f.write(b"old complete file"))
