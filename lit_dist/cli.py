@@ -5,6 +5,7 @@
     lit-dist fit --help
     lit-dist plan --config configs/quickstart.yaml --trainer.devices 8 --trainer.num_nodes 4
     lit-dist index /datasets/photos --output photos.parquet
+    lit-dist cache --config configs/latent_quickstart.yaml [--check]
 """
 
 import argparse
@@ -20,7 +21,7 @@ from lit_dist.run import RunConfig, run_dir
 
 MODEL = "lit_dist.module.LitModel"
 DATA = "lit_dist.data.datamodule.BucketDataModule"
-SUBCOMMANDS = ("fit", "validate", "test", "predict", "plan", "index", "export")
+SUBCOMMANDS = ("fit", "validate", "test", "predict", "plan", "index", "export", "cache")
 
 
 class LitDistCLI(LightningCLI):
@@ -168,7 +169,11 @@ class PlanCLI(LitDistCLI):
 
 
 def _dispatch(argv: list[str]) -> int | None:
-    """Run lit-dist's own subcommands (plan, index, export); None for the LightningCLI ones."""
+    """Run lit-dist's own subcommands (plan, index, export, cache); None for the LightningCLI ones."""
+    if argv[:1] == ["cache"]:
+        from lit_dist.cache.command import cache
+
+        return cache(LitDistCLI, argv[1:])
     if argv[:1] == ["plan"]:
         from lit_dist.plan import plan
 

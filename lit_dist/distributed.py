@@ -21,3 +21,19 @@ def all_gather_object(trainer, obj) -> list:
     gathered = [None] * trainer.world_size
     torch.distributed.all_gather_object(gathered, obj)
     return gathered
+
+
+def run_on_every_rank(trainer, function):
+    """Start the run's processes the way ``fit`` would (srun, torchrun, or Lightning's own launcher for
+    ``--trainer.devices N``), join the process group, and call ``function()`` on every rank.
+
+    For work that is not a Lightning loop (building a cache) but must be spread over the same ranks.
+    """
+    strategy = trainer.strategy
+
+    def on_rank():
+        strategy.setup_environment()  # device, and the process group for multi-process strategies
+        return function()
+
+    launcher = strategy.launcher
+    return launcher.launch(on_rank, trainer=trainer) if launcher is not None else on_rank()

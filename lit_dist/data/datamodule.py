@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_dist.cache.config import CacheConfig
 from lit_dist.data.sources import DatasetSource
 from lit_dist.errors import ConfigError, DataError
 
@@ -60,6 +61,7 @@ class BucketDataModule(LightningDataModule):
         storage_options: dict | None = None,
         create_demo_if_missing: bool = False,
         demo_num_images: int = 3000,
+        cache: CacheConfig | None = None,
     ):
         """Configure the data.
 
@@ -90,6 +92,7 @@ class BucketDataModule(LightningDataModule):
             storage_options: fsspec options for remote data (e.g. endpoint_url); credentials come from env vars.
             create_demo_if_missing: Generate the demo shapes dataset at metadata if it does not exist.
             demo_num_images: Number of images the demo dataset gets when generated.
+            cache: Preprocessed cache of resized pixels and/or encoder outputs, read instead of decoding images.
         """
         super().__init__()
         problems = []
@@ -111,6 +114,8 @@ class BucketDataModule(LightningDataModule):
             problems.append(f"data.num_workers = {num_workers}: must be >= 0 (0 loads in the training process)")
         if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
             problems.append(f"data.mean = {list(mean)}, data.std = {list(std)}: need 3 values each, std > 0")
+        if cache is not None:
+            problems += cache.problems()
         if create_demo_if_missing and metadata is not None and "://" in metadata:
             problems.append(f"data.create_demo_if_missing needs a local data.metadata path, not {metadata!r}")
         ConfigError.collect(problems)
@@ -135,6 +140,10 @@ class BucketDataModule(LightningDataModule):
         self.storage_options = storage_options
         self.create_demo_if_missing = create_demo_if_missing
         self.demo_num_images = demo_num_images
+        self.cache = cache if cache is not None and cache.enabled else None
+        self.resolution, self.alignment, self.max_aspect = resolution, alignment, max_aspect
+        self.normalisation = (tuple(mean), tuple(std))
+        self._cache_views: list[dict] | None = None  # per dataset {batch key: FieldView}, after setup
         self.mean = torch.tensor(mean).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std).view(1, 3, 1, 1) * 255
         self.classes: list[str] | None = None
@@ -170,7 +179,7 @@ class BucketDataModule(LightningDataModule):
             # The cached index of a scan is on local or home storage, not behind storage_options.
             options = self.storage_options if source.metadata is not None else None
             meta = read_metadata(source.table_path, options, extra_columns=self.extra_columns, strict=self.strict,
-                                 val_fraction=self.val_fraction)
+                                 val_fraction=self.val_fraction, identity=self.cache is not None)
             if meta.bad.total:
                 rank_zero_warn(f"lit-dist: skipped {meta.bad.total} bad rows of {source.table_path}: {meta.bad.summary()}")
             parts.append((meta, meta.bucket_ids(self.bucket_sizes), meta.splits))
@@ -185,10 +194,14 @@ class BucketDataModule(LightningDataModule):
         if self._splits:
             return
         parts = self.read()
+        if self.cache is not None:
+            device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+            self._cache_views = self._open_cache(parts, device)
+        views = self._cache_views or [None] * len(parts)
         for code, split in enumerate(("train", "val", "test", "predict")):
             chosen = [np.flatnonzero(splits == code) if code < 3 else np.arange(len(meta)) for meta, _, splits in parts]
-            datasets = [self._dataset(source, meta, rows, buckets[rows], self.random_crop and split == "train")
-                        for source, (meta, buckets, _), rows in zip(self.sources, parts, chosen, strict=True)]
+            datasets = [self._dataset(source, meta, rows, buckets[rows], self.random_crop and split == "train", view)
+                        for source, (meta, buckets, _), rows, view in zip(self.sources, parts, chosen, views, strict=True)]
             self._splits[split] = self._combine(datasets)
         if len(self._splits["train"]) == 0 and stage == "fit":
             raise DataError(f"{', '.join(s.table_path for s in self.sources)}: no training rows "
@@ -205,9 +218,11 @@ class BucketDataModule(LightningDataModule):
         groups = np.concatenate([d.bucket_ids.astype(np.int32) + i * k for i, d in enumerate(datasets)])
         return MixedDataset(datasets, groups)
 
-    def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool):
+    def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool, cache: dict | None = None):
         from lit_dist.data.dataset import BucketImageDataset
 
+        # Only encoder outputs cached: batches carry them instead of images, and no image is opened.
+        load_images = cache is None or "pixels" in cache or not cache
         return BucketImageDataset(
             root=source.image_root,
             filenames=meta.filenames,
@@ -221,7 +236,60 @@ class BucketDataModule(LightningDataModule):
             storage_options=self.storage_options,
             max_image_pixels=self.max_image_pixels,
             positions=rows,
+            cache=cache,
+            load_images=load_images,
         )
+
+    # -- cache ------------------------------------------------------------------------------
+
+    def cache_plan(self, parts: list):
+        """The CachePlan of this data: every row of every dataset, keyed for each cached field."""
+        from lit_dist.cache.keys import listed_identity, sample_ids
+        from lit_dist.cache.plan import CachePlan, DatasetNeed
+
+        needs = []
+        for source, (meta, buckets, _) in zip(self.sources, parts, strict=True):
+            identity = meta.identity
+            if identity is None:  # a table without bytes/mtime columns: one listing of the image root
+                identity = listed_identity(source.image_root, meta.filenames, self.storage_options)
+            needs.append(DatasetNeed(
+                images=self._dataset(source, meta, np.arange(len(meta)), buckets, random_crop=False),
+                sizes=self.bucket_sizes[buckets], samples=sample_ids(meta.filenames, source.image_root), identity=identity,
+            ))
+        buckets = {"resolution": self.resolution, "alignment": self.alignment, "max_aspect": self.max_aspect}
+        return CachePlan(self.cache, needs, buckets, *self.normalisation, storage_options=self.storage_options)
+
+    def build_cache(self, device: torch.device, verify: bool = False, parts: list | None = None):
+        """Build what the cache lacks on every rank of the run (a collective: every rank must call it)."""
+        from lit_dist.cache.build import build
+
+        plan = self.cache_plan(parts if parts is not None else self.read())
+        report = build(plan, device, self.num_workers, self.batch_size_per_device, verify=verify)
+        return plan, report
+
+    def _open_cache(self, parts: list, device: torch.device) -> list[dict]:
+        """The cache's entries for every dataset; built first under mode build; a DataError under mode read
+        when entries are missing."""
+        if self.cache.mode == "build":
+            plan, _ = self.build_cache(device, parts=parts)
+        else:
+            plan = self.cache_plan(parts)
+            if not plan.store.check():
+                raise DataError(f"data.cache.dir = {self.cache.dir!r} holds no cache (data.cache.mode: read). Build it "
+                                "first: `lit-dist cache --config <this config>`, or set data.cache.mode: build.")
+        found, coverage = plan.match()
+        incomplete = [c for c in coverage.values() if c.missing]
+        if incomplete:
+            details = []
+            for c in incomplete:
+                other = plan.describe_other(c.field, c.other_configs)
+                details.append(c.summary() + (f"; stale entries were built for another configuration: {other}" if other else ""))
+            raise DataError(f"data.cache.dir = {self.cache.dir!r} is incomplete for this run: {'; '.join(details)}. "
+                            "Build what is missing with `lit-dist cache --config <this config>` (every rank of a "
+                            "job builds its share), or set data.cache.mode: build.")
+        rank_zero_info("lit-dist: reading " + "; ".join(c.summary() for c in coverage.values())
+                       + f" from the cache {self.cache.dir}")
+        return plan.views(found)
 
     def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per group (dataset x bucket): its (width, height), its dataset, and its dataset's repeats."""
@@ -333,6 +401,8 @@ class BucketDataModule(LightningDataModule):
         return batch
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        if "image" not in batch:  # only encoder outputs cached: nothing to normalise
+            return batch
         image = batch["image"].permute(0, 3, 1, 2).float()  # (B, H, W, C) uint8 -> (B, C, H, W) float, 0..255
         if self.mean.device != image.device:  # moved once, not every batch
             self.mean, self.std = self.mean.to(image.device), self.std.to(image.device)

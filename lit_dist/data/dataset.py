@@ -35,6 +35,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
         storage_options: dict | None = None,
         max_image_pixels: int | None = 178_956_970,
         positions: np.ndarray | None = None,
+        cache: dict | None = None,
+        load_images: bool = True,
     ):
         self.url = root
         self.storage_options = storage_options or {}
@@ -52,6 +54,9 @@ class BucketImageDataset(torch.utils.data.Dataset):
         self.rows = rows if rows is not None else self.positions
         self.random_crop = random_crop
         self.seed = seed
+        # Cached fields by batch key ("pixels" stands for `image`), each a FieldView by table position.
+        self.cache = cache or {}
+        self.load_images = load_images  # False when only encoder outputs are cached: no image is opened
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
         self._logged: set[int] = set()  # bad samples already reported by this process
 
@@ -81,26 +86,35 @@ class BucketImageDataset(torch.utils.data.Dataset):
             take = pa.array(self.positions)
             state.update(filenames=self.filenames.take(take), extra={k: v.take(take) for k, v in self.extra.items()},
                          labels=None if self.labels is None else self.labels[self.positions],
+                         cache={k: v.take(self.positions) for k, v in self.cache.items()},
                          positions=np.arange(len(self.positions)), _members=None)
         return state
 
     def __getitem__(self, request: tuple[int, list[int], float]) -> dict[str, torch.Tensor]:
         epoch, indices, weight = request
         width, height = self.bucket_sizes[self.bucket_ids[indices[0]]]
-        images = np.empty((len(indices), height, width, 3), dtype=np.uint8)  # (B, H, W, C)
+        images = np.empty((len(indices), height, width, 3), dtype=np.uint8) if self.load_images else None  # (B, H, W, C)
+        cached: dict[str, list[np.ndarray]] = {}
         used = np.empty(len(indices), dtype=np.int64)
         failures = 0
         for slot, index in enumerate(indices):
-            used[slot], failed = self._load_into(images[slot], index, epoch)
+            used[slot], failed, sample = self._load(index, epoch, width, height)
             failures += failed
+            if images is not None:
+                images[slot] = sample.pop("image")
+            for key, array in sample.items():
+                cached.setdefault(key, []).append(array)
         batch = {
-            # Channels last, as decoded: the permute to (B, C, H, W) is a free view on the device
-            # instead of a copy in the worker.
-            "image": torch.from_numpy(images),  # (B, H, W, C) uint8
             "row": torch.from_numpy(self.rows[used]),
             "weight": torch.full((len(indices),), weight, dtype=torch.float32),
             "bad_samples": torch.tensor(failures),  # images of this batch that were replaced
         }
+        if images is not None:
+            # Channels last, as decoded: the permute to (B, C, H, W) is a free view on the device
+            # instead of a copy in the worker.
+            batch["image"] = torch.from_numpy(images)  # (B, H, W, C) uint8
+        for key, arrays in cached.items():
+            batch[key] = _tensor(np.stack(arrays), self.cache[key].dtype)  # (B, ...) as stored
         at = self.positions[used]
         if self.labels is not None:
             batch["label"] = torch.from_numpy(self.labels[at])
@@ -108,24 +122,30 @@ class BucketImageDataset(torch.utils.data.Dataset):
             batch[name] = _column_batch(column.take(at))
         return batch
 
-    def _load_into(self, out: np.ndarray, index: int, epoch: int) -> tuple[int, int]:
-        """Decode ``index`` into ``out``, a bad image replaced by the next sample of its bucket.
-
-        Returns the sample used and how many failed before it.
+    def _load(self, index: int, epoch: int, width: int, height: int) -> tuple[int, int, dict]:
+        """Sample ``index`` (its image cropped to the bucket, its cached fields), a bad one replaced by the
+        next sample of its bucket. Returns the sample used, how many failed before it, and its arrays.
         """
         candidate = index
         for attempt in range(8):
             try:
-                out[...] = self._decode(candidate, out.shape[1], out.shape[0], epoch)
-                return candidate, attempt
-            except Exception as exc:  # any decode failure: missing file, truncated data, not an image, a bomb
+                return candidate, attempt, self._sample(candidate, epoch, width, height)
+            except Exception as exc:  # any failure: missing file, truncated data, not an image, a bomb, a bad entry
                 if candidate not in self._logged:
                     self._logged.add(candidate)
                     log.warning("lit-dist: cannot read %s (%s); using another image of the same bucket",
                                 self._path(candidate), exc)
                 candidate = self._next_in_bucket(candidate)
-        raise RuntimeError(f"8 images in a row of bucket {tuple(out.shape[1::-1])} could not be read; last: {self._path(candidate)}")
+        raise RuntimeError(f"8 images in a row of bucket {(width, height)} could not be read; last: {self._path(candidate)}")
 
+    def _sample(self, index: int, epoch: int, width: int, height: int) -> dict[str, np.ndarray]:
+        position = int(self.positions[index])
+        sample = {key: view.read(position) for key, view in self.cache.items() if key != "pixels"}
+        if self.load_images:
+            pixels = self.cache.get("pixels")
+            covering = pixels.read(position) if pixels is not None else self.covering(index, width, height)
+            sample["image"] = self._crop(covering, width, height, epoch, index)
+        return sample
     def _next_in_bucket(self, index: int) -> int:
         if self._members is None:
             self._members = [np.flatnonzero(self.bucket_ids == b) for b in range(len(self.bucket_sizes))]
@@ -136,7 +156,11 @@ class BucketImageDataset(torch.utils.data.Dataset):
     def _path(self, index: int) -> str:
         return f"{self.root}/{self.filenames[int(self.positions[index])].as_py()}"
 
-    def _decode(self, index: int, width: int, height: int, epoch: int) -> np.ndarray:
+    def covering(self, index: int, width: int, height: int) -> np.ndarray:
+        """Image ``index`` decoded and resized to cover (width, height) whole, uncropped: (H', W', 3) uint8.
+
+        This is what a pixel cache stores: the crop is left to load time, so it varies as it does without one.
+        """
         from PIL import Image, ImageOps
 
         with self._open_fs().open(self._path(index), "rb") as f:
@@ -147,14 +171,27 @@ class BucketImageDataset(torch.utils.data.Dataset):
         resized = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
         if resized != img.size:
             img = img.resize(resized, Image.BILINEAR, reducing_gap=3.0)
-        free_x, free_y = resized[0] - width, resized[1] - height
+        return np.asarray(img)  # (H', W', C)
+
+    def _crop(self, image: np.ndarray, width: int, height: int, epoch: int, index: int) -> np.ndarray:
+        free_x, free_y = image.shape[1] - width, image.shape[0] - height
         if self.random_crop and (free_x or free_y):
             # From (seed, epoch, index) alone: a resumed run crops exactly as an uninterrupted one.
             rng = np.random.default_rng([self.seed, epoch, index])
             left, top = int(rng.integers(free_x + 1)), int(rng.integers(free_y + 1))
-        else:
-            left, top = free_x // 2, free_y // 2
-        return np.asarray(img.crop((left, top, left + width, top + height)))  # (H, W, C)
+            return image[top : top + height, left : left + width]  # (H, W, C)
+        return centre_crop(image, width, height)
+
+
+def centre_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:
+    """The evaluation crop: the centre (width, height) of a covering image."""
+    top, left = (image.shape[0] - height) // 2, (image.shape[1] - width) // 2
+    return image[top : top + height, left : left + width]
+
+
+def _tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor.view(torch.bfloat16) if dtype == "bf16" else tensor  # bf16 is stored as raw 16-bit words
 
 
 def _guard_against_bombs(max_pixels: int | None) -> None:

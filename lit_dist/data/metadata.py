@@ -24,6 +24,7 @@ from lit_dist.errors import DataError
 log = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("filename", "width", "height")
+IDENTITY_COLUMNS = ("bytes", "mtime", "etag")  # optional: which version of each file (scans write bytes and mtime)
 SPLITS = ("train", "val", "test")
 _GLOB_CHARS = set("*?[")
 _UNSAFE_REASONS = {
@@ -62,6 +63,7 @@ class Metadata:
     classes: list[str] | None = None  # names of the classes when labels were strings
     splits: np.ndarray | None = None  # int8 index into SPLITS, one per row
     extra: dict = field(default_factory=dict)  # name -> pyarrow array, passed through to batches
+    identity: np.ndarray | None = None  # uint64 per row from the bytes and mtime (or etag) columns, for caches
     bad: BadRows = field(default_factory=BadRows)
     source: str = ""
 
@@ -106,6 +108,7 @@ def read_metadata(
     extra_columns: list[str] | None = None,
     strict: bool = False,
     val_fraction: float = 0.0,
+    identity: bool = False,
 ) -> Metadata:
     """Read, check and clean a metadata table.
 
@@ -115,6 +118,7 @@ def read_metadata(
         extra_columns: Columns passed through to batches; None: ``caption`` if the table has it.
         strict: Raise on any bad row instead of skipping it.
         val_fraction: Share of rows for validation, by filename hash, when the table has no split column.
+        identity: Also read each file's version (bytes and mtime, or etag columns) into ``Metadata.identity``.
     """
     import pyarrow.parquet as pq
     from fsspec.implementations.local import LocalFileSystem
@@ -137,16 +141,18 @@ def read_metadata(
     absent = [c for c in extra_columns if c not in schema.names]
     if absent:
         raise DataError(f"data.extra_columns names {absent}, which {path!r} lacks (it has: {', '.join(schema.names)})")
-    wanted = [*REQUIRED_COLUMNS, *(c for c in ("label", "split") if c in schema.names), *extra_columns]
+    optional = ("label", "split", *(IDENTITY_COLUMNS if identity else ()))
+    wanted = [*REQUIRED_COLUMNS, *(c for c in optional if c in schema.names), *extra_columns]
     try:
         table = pq.read_table(files if len(files) > 1 else files[0], columns=list(dict.fromkeys(wanted)), filesystem=fs)
     except Exception as exc:
         raise DataError(f"data.metadata = {path!r}: cannot read the table ({exc})") from exc
-    return clean_table(table, source=path, extra_columns=extra_columns, strict=strict, val_fraction=val_fraction)
+    return clean_table(table, source=path, extra_columns=extra_columns, strict=strict, val_fraction=val_fraction,
+                       identity=identity)
 
 
 def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: bool = False,
-                val_fraction: float = 0.0) -> Metadata:
+                val_fraction: float = 0.0, identity: bool = False) -> Metadata:
     """Drop and count bad rows; convert the columns a run needs; split rows into train/val/test.
 
     The split comes from a ``split`` column when the table has one, else from a hash of
@@ -200,7 +206,22 @@ def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: 
     else:
         meta.splits = np.zeros(len(meta), dtype=np.int8)
     meta.extra = {name: kept.column(name).combine_chunks() for name in extra_columns}
+    meta.identity = _identity(kept) if identity else None
     return meta
+
+
+def _identity(table) -> np.ndarray | None:
+    """Each file's version from the table's bytes and mtime (or etag) columns; None when it has neither."""
+    from lit_dist.cache.keys import identity_hash
+
+    names = set(table.column_names)
+    if "etag" in names:
+        sizes = table.column("bytes").to_numpy() if "bytes" in names else None
+        return identity_hash(sizes, etags=table.column("etag"))
+    if "bytes" in names:
+        mtimes = table.column("mtime").to_numpy() if "mtime" in names else None
+        return identity_hash(table.column("bytes").to_numpy(), mtimes)
+    return None
 
 
 def _path_and_size_checks(filenames, sizes, source: str) -> tuple[np.ndarray, BadRows]:

@@ -1,0 +1,260 @@
+"""Building a cache: every rank builds its share of what is missing; rank 0 publishes it.
+
+The same function runs under ``lit-dist cache`` (launched like a training run: srun,
+torchrun or ``--trainer.devices N``) and at the start of ``fit`` with ``data.cache.mode:
+build``. Order of work, the same on every rank:
+
+1. rank 0 folds the shard lists of earlier, interrupted builds into the manifest and removes
+   unlisted shard files; barrier.
+2. every rank checks its share of the listed shards (sizes, and with ``verify`` their sha256)
+   and that it can write; one all-gather; rank 0 drops the damaged shards; barrier.
+3. every rank reads the index, computes what is missing (the same list on every rank) and
+   takes every ``world``-th batch of it: one bucket per batch, so the encoder sees equal shapes.
+4. loader workers decode and resize; this process encodes on the rank's device, writes shards
+   (atomic, then named in its pending list), and goes on.
+5. one all-gather of each rank's outcome: if any rank failed, every rank raises (nobody is
+   left waiting); else rank 0 publishes; barrier.
+"""
+
+import logging
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from lit_dist.cache.plan import CachePlan
+from lit_dist.cache.shards import ShardWriter
+from lit_dist.cache.store import new_build_id
+from lit_dist.errors import ConfigError, DataError, LitDistError
+
+log = logging.getLogger(__name__)
+
+
+class Comm:
+    """Barrier and all-gather over the default process group; trivial on one process."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist if dist.is_available() and dist.is_initialized() else None
+        self.rank = self.dist.get_rank() if self.dist else 0
+        self.world = self.dist.get_world_size() if self.dist else 1
+
+    def barrier(self) -> None:
+        if self.dist:
+            self.dist.barrier()
+
+    def gather(self, obj) -> list:
+        if not self.dist:
+            return [obj]
+        out = [None] * self.world
+        self.dist.all_gather_object(out, obj)
+        return out
+
+
+def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: int, verify: bool = False,
+          comm: Comm | None = None, progress: bool = True) -> dict:
+    """Build what ``plan`` lacks, on every rank; returns rank 0's summary (the same dict on every rank)."""
+    comm = comm or Comm()
+    store, rank = plan.store, comm.rank
+    if rank == 0:
+        store.check(create=True)
+        for name in plan.fields:
+            store.publish(name)  # what interrupted builds finished counts; what they left unlisted goes
+            store.record_config(name, plan.fingerprints[name], plan.descriptions[name])
+    comm.barrier()
+    store.check()
+    _drop_damaged(plan, comm, verify)
+    found, coverage = plan.match()
+    work = _work(plan, found, plan.config.encoder_batch_size or batch_size)
+    mine = work[rank :: comm.world]
+    started = time.perf_counter()
+    outcome = {"rank": rank, "error": None, "samples": 0, "unreadable": 0, "bytes": 0, "raw_bytes": 0, "shards": 0}
+    try:
+        if plan.encoder is not None and work:
+            _check_encoder_shapes(plan, device, sorted({tuple(plan.needs[d].sizes[rows[0]]) for d, rows, _ in work}))
+        _run(plan, mine, device, num_workers, outcome, rank, progress)
+    except Exception as exc:  # reported to every rank below, so none waits for this one
+        outcome["error"] = (type(exc).__name__, str(exc), isinstance(exc, LitDistError), getattr(exc, "exit_code", 1))
+        log.exception("lit-dist cache: rank %d failed", rank)
+    outcomes = comm.gather(outcome)
+    failed = [o for o in outcomes if o["error"]]
+    if failed:
+        first = failed[0]
+        kind, message, user_error, code = first["error"]
+        text = f"building the cache failed on rank {first['rank']}: {kind}: {message}"
+        raise (DataError(text) if code == DataError.exit_code else ConfigError(text)) if user_error else RuntimeError(text)
+    if rank == 0:
+        for name in plan.fields:
+            store.publish(name)
+    comm.barrier()
+    elapsed = time.perf_counter() - started
+    total = {k: sum(o[k] for o in outcomes) for k in ("samples", "unreadable", "bytes", "raw_bytes", "shards")}
+    return {**total, "needed": sum(len(rows) for _, rows, _ in work), "seconds": elapsed, "ranks": comm.world,
+            "coverage_before": {k: v.summary() for k, v in coverage.items()}}
+
+
+def _drop_damaged(plan: CachePlan, comm: Comm, verify: bool) -> None:
+    """Every rank checks every world-th listed shard (and that it can write); rank 0 drops the damaged ones."""
+    store = plan.store
+    damaged: dict[str, dict[str, str]] = defaultdict(dict)
+    for name in plan.fields:
+        for i, shard in enumerate(store.manifest(name)["shards"]):
+            if i % comm.world == comm.rank and (problem := store.shard_problem(name, shard, verify)):
+                damaged[name][shard["name"]] = f"{problem} ({shard['samples']} samples)"
+    try:
+        store.check_writable()
+        cannot_write = None
+    except ConfigError as exc:
+        cannot_write = str(exc)
+    gathered = comm.gather((dict(damaged), cannot_write))
+    writers = [(r, w) for r, (_, w) in enumerate(gathered) if w]
+    if writers:
+        raise ConfigError(f"rank {writers[0][0]} cannot write the cache: {writers[0][1]}")
+    merged: dict[str, dict[str, str]] = defaultdict(dict)
+    for part, _ in gathered:
+        for name, shards in part.items():
+            merged[name].update(shards)
+    if comm.rank == 0:
+        for name, shards in merged.items():
+            for shard, problem in sorted(shards.items()):
+                print(f"lit-dist cache: {name} shard {shard} is damaged: {problem}; its samples are rebuilt", flush=True)
+            store.publish(name, drop=set(shards))
+    comm.barrier()
+
+
+def _work(plan: CachePlan, found: list[dict], size: int) -> list[tuple[int, np.ndarray, dict]]:
+    """Batches of samples that some field lacks: (dataset, rows of one bucket, {field: mask of rows it lacks})."""
+    batches = []
+    for d, need in enumerate(plan.needs):
+        lacking = {name: found[d][name] < 0 for name in plan.fields}
+        todo = np.flatnonzero(np.logical_or.reduce(list(lacking.values())))
+        if not len(todo):
+            continue
+        bucket = need.sizes[todo, 0].astype(np.int64) << 32 | need.sizes[todo, 1].astype(np.int64)
+        for b in np.unique(bucket):
+            rows = todo[bucket == b]
+            for lo in range(0, len(rows), size):
+                chunk = rows[lo : lo + size]
+                batches.append((d, chunk, {name: mask[chunk] for name, mask in lacking.items()}))
+    return batches
+
+
+def _check_encoder_shapes(plan: CachePlan, device: torch.device, sizes: list[tuple[int, int]]) -> None:
+    """Run the encoder once per bucket size on zeros: outputs must be (B, ...) tensors whose dimensions other than
+    the last two (spatial) agree between buckets, or no model could take them in one run."""
+    encoder = plan.encoder.to(device)
+    shapes = {}
+    with torch.inference_mode():
+        for w, h in sizes:
+            out = encoder(torch.zeros(1, 3, h, w, device=device))
+            if not isinstance(out, torch.Tensor) or out.ndim < 1 or out.shape[0] != 1:
+                raise ConfigError(f"data.cache.encoder ({plan.config.encoder['class_path']}) returned "
+                                  f"{type(out).__name__} {getattr(out, 'shape', '')} for a batch of 1: it must return "
+                                  "a tensor (B, ...). Wrap it in a module whose forward returns one.")
+            shapes[(w, h)] = tuple(out.shape[1:])
+    fixed = {s[:-2] if len(s) >= 3 else s for s in shapes.values()}
+    if len(fixed) > 1:
+        listed = ", ".join(f"{w}x{h} -> {s}" for (w, h), s in shapes.items())
+        raise ConfigError(f"data.cache.encoder ({plan.config.encoder['class_path']}) returns outputs whose non-spatial "
+                          f"dimensions differ between buckets ({listed}); a model cannot take them. Use an encoder "
+                          "with a fixed channel count, or pool its output to a fixed size.")
+
+
+class _Decode(torch.utils.data.Dataset):
+    """Loader-worker side of a build: batch j decoded and resized to cover its bucket (None where unreadable)."""
+
+    def __init__(self, plan: CachePlan, work: list):
+        self.images = [need.images for need in plan.needs]
+        self.sizes = [need.sizes for need in plan.needs]
+        self.work = work
+
+    def __len__(self) -> int:
+        return len(self.work)
+
+    def __getitem__(self, j: int):
+        d, rows, lacking = self.work[j]
+        w, h = (int(v) for v in self.sizes[d][rows[0]])
+        images = []
+        for row in rows:
+            try:
+                images.append(self.images[d].covering(int(row), w, h))
+            except Exception as exc:  # unreadable source: recorded as such, replaced at load like any bad image
+                log.warning("lit-dist cache: cannot read %s (%s)", self.images[d]._path(int(row)), exc)
+                images.append(None)
+        return d, rows, lacking, (w, h), images
+
+
+def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, outcome: dict, rank: int,
+         progress: bool) -> None:
+    from tqdm import tqdm
+
+    from lit_dist.data.dataset import centre_crop
+
+    cfg, store = plan.config, plan.store
+    build_id = new_build_id()
+    writers = {name: ShardWriter(plan.dtype(name), cfg.compression, cfg.compression_level) for name in plan.fields}
+    written: dict[str, list[dict]] = {name: [] for name in plan.fields}
+    limit = cfg.shard_size_mb * 1_000_000
+    mean = torch.tensor(plan.mean, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(plan.std, device=device).view(1, 3, 1, 1) * 255
+    encoder = plan.encoder.to(device) if plan.encoder is not None else None
+
+    def flush(name: str) -> None:
+        writer = writers[name]
+        if not len(writer):
+            return
+        samples, raw = writer.samples, writer.raw_bytes
+        data, index = writer.finish()
+        written[name].append(store.write_shard(name, plan.fingerprints[name], data, index, raw, samples, len(writer)))
+        store.record_pending(name, build_id, rank, written[name])
+        outcome["bytes"] += len(data)
+        outcome["raw_bytes"] += raw
+        outcome["shards"] += 1
+        writers[name] = ShardWriter(plan.dtype(name), cfg.compression, cfg.compression_level)
+
+    loader = torch.utils.data.DataLoader(_Decode(plan, mine), batch_size=None, num_workers=num_workers,
+                                         collate_fn=_as_is)
+    total = sum(len(rows) for _, rows, _ in mine)
+    with tqdm(total=total, desc=f"lit-dist cache (rank {rank})", unit="img", disable=not progress or rank != 0,
+              mininterval=2) as bar:
+        for d, rows, lacking, (w, h), images in loader:
+            need = plan.needs[d]
+            ok = [i for i, img in enumerate(images) if img is not None]
+            outcome["unreadable"] += len(rows) - len(ok)
+            if "pixels" in lacking:
+                for i in np.flatnonzero(lacking["pixels"]):
+                    writers["pixels"].add(int(need.samples[rows[i]]), int(need.keys["pixels"][rows[i]]), images[i])
+            if encoder is not None:
+                todo = [i for i in np.flatnonzero(lacking["encoder"]) if images[i] is not None]
+                outputs = _encode(encoder, [centre_crop(images[i], w, h) for i in todo], mean, std, cfg.encoder_dtype,
+                                  device) if todo else []
+                for i in np.flatnonzero(lacking["encoder"]):
+                    array = outputs[todo.index(i)] if images[i] is not None else None
+                    writers["encoder"].add(int(need.samples[rows[i]]), int(need.keys["encoder"][rows[i]]), array)
+            outcome["samples"] += len(ok)
+            for name in plan.fields:
+                if writers[name].nbytes >= limit:
+                    flush(name)
+            bar.update(len(rows))
+    for name in plan.fields:
+        flush(name)
+
+
+def _as_is(item):
+    return item  # the default collate would turn the arrays into tensors
+
+
+def _encode(encoder, crops: list[np.ndarray], mean, std, dtype: str, device) -> list[np.ndarray]:
+    """Encoder outputs of centre crops, as arrays in the stored dtype (bf16 as raw 16-bit words)."""
+    batch = torch.from_numpy(np.stack(crops)).to(device)  # (B, H, W, 3) uint8
+    x = (batch.permute(0, 3, 1, 2).float() - mean) / std  # (B, 3, H, W), normalised as training batches are
+    with torch.inference_mode():
+        out = encoder(x)
+    target = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    out = out.to(target).cpu().contiguous()
+    if dtype == "bf16":
+        out = out.view(torch.int16)
+    arrays = out.numpy()
+    return list(arrays.view(np.uint16) if dtype == "bf16" else arrays)

@@ -1,0 +1,75 @@
+"""``lit-dist cache --config cfg.yaml``: build the run's cache on every rank; ``--check``: report on it.
+
+    lit-dist cache --config cfg.yaml                         # one process
+    lit-dist cache --config cfg.yaml --trainer.devices 4     # four processes on this machine
+    srun lit-dist cache --config cfg.yaml                    # every task of a Slurm job
+    lit-dist cache --config cfg.yaml --check                 # coverage, damage, bytes, compression
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+from lit_dist.errors import ConfigError, ExitCode
+
+
+def cache(cli_class, argv: list[str]) -> int:
+    """Run the command on parsed ``argv`` (a run config); returns the exit code."""
+    check = "--check" in argv
+    cli = cli_class(args=[a for a in argv if a != "--check"], run=False)
+    data = cli.datamodule
+    if getattr(data, "cache", None) is None:
+        raise ConfigError("data.cache: this config has no cache section (or data.cache.mode: off). Add one, e.g. "
+                          "data: {cache: {dir: /scratch/cache, pixels: true}}, then run lit-dist cache again.")
+    if check:
+        return check_cache(data)
+    from lit_dist.distributed import run_on_every_rank
+
+    trainer = cli.trainer
+    return run_on_every_rank(trainer, lambda: _build(trainer, data))
+
+
+def _build(trainer, data) -> int:
+    plan, report = data.build_cache(trainer.strategy.root_device, verify=True)
+    if trainer.global_rank == 0:
+        ratio = report["raw_bytes"] / report["bytes"] if report["bytes"] else float("nan")
+        print(f"lit-dist cache: built {report['samples']} samples on {report['ranks']} ranks in "
+              f"{report['seconds']:.1f} s ({report['samples'] / max(report['seconds'], 1e-9):.0f} samples/s); "
+              f"{report['unreadable']} unreadable sources recorded; {report['shards']} shards, "
+              f"{report['bytes'] / 1e6:.1f} MB written (compression {ratio:.2f}x)", flush=True)
+        found, coverage = plan.match()
+        for c in coverage.values():
+            print(f"  {c.summary()}", flush=True)
+        print(f"  cache: {data.cache.dir}", flush=True)
+    return int(ExitCode.OK)
+
+
+def check_cache(data) -> int:
+    """Print coverage, damaged shards, bytes on disk and the compression ratio; 0 when complete and intact."""
+    plan = data.cache_plan(data.read())
+    store = plan.store
+    if not store.check():
+        print(f"lit-dist cache --check: no cache at {data.cache.dir} yet; build it with lit-dist cache --config ...")
+        return int(ExitCode.DATA_ERROR)
+    found, coverage = plan.match()
+    bad = False
+    print(f"lit-dist cache --check: {data.cache.dir}")
+    for name in plan.fields:
+        shards = store.manifest(name)["shards"]
+        with ThreadPoolExecutor(4) as pool:  # hashlib releases the GIL
+            problems = list(pool.map(lambda s, name=name: store.shard_problem(name, s, True), shards))
+        damaged = [(s, p) for s, p in zip(shards, problems, strict=True) if p]
+        stored = sum(s["bytes"] for s in shards)
+        raw = sum(s["raw_bytes"] for s in shards)
+        c = coverage[name]
+        print(f"  {c.summary()}")
+        if c.stale and (other := plan.describe_other(name, c.other_configs)):
+            print(f"    stale entries were built for another configuration: {other}")
+        print(f"    {len(shards)} shards, {stored / 1e6:.1f} MB, compression {raw / stored if stored else float('nan'):.2f}x "
+              f"({data.cache.compression})")
+        for shard, problem in damaged:
+            print(f"    damaged: shard {shard['name']}: {problem}; its {shard['samples']} samples are rebuilt by "
+                  "lit-dist cache")
+        bad |= bool(damaged) or c.missing > 0
+    print(f"  bytes on disk: {store.bytes_on_disk() / 1e6:.1f} MB")
+    if bad:
+        print("  incomplete or damaged: run `lit-dist cache --config <this config>` to build what is missing")
+    return int(ExitCode.DATA_ERROR if bad else ExitCode.OK)

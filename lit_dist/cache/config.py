@@ -1,0 +1,80 @@
+"""``CacheConfig``: the ``data.cache`` section of a run config.
+
+Example (YAML)::
+
+    data:
+      cache:
+        dir: /scratch/caches/photos          # or s3://bucket/caches/photos
+        mode: build                          # read | build | off
+        pixels: true                         # images resized to cover their bucket, uint8
+        encoder:                             # a frozen torch.nn.Module applied to the centre crop
+          class_path: lit_dist.cache.encoders.VAEEncoder
+          init_args: {config: {latent_channels: 4}}
+        encoder_dtype: bf16
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+MODES = ("read", "build", "off")
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass
+class CacheConfig:
+    """Where and what to cache.
+
+    Args:
+        dir: Cache folder, a local path or an fsspec URL (s3://bucket/cache); shared by every run of this data.
+        mode: read (fail if anything is missing), build (build what is missing at the start of fit), off.
+        pixels: Cache each image resized to cover its bucket (uint8); the crop still happens at load.
+        encoder: A frozen torch.nn.Module as {class_path, init_args}, applied to the centre crop of each image.
+        encoder_dtype: dtype the encoder outputs are stored in: bf16, fp16 or fp32.
+        encoder_key: Batch key of the encoder outputs, (B, ...) in encoder_dtype.
+        encoder_batch_size: Images per encoder call while building; default: data.batch_size_per_device.
+        compression: zstd or none; compressed per sample, so reading one sample reads its bytes only.
+        compression_level: zstd level (1 fast .. 19 small); 3 is zstd's own default.
+        shard_size_mb: Target size of one shard file in MB (many samples per file; at most 4000).
+    """
+
+    dir: str | None = None
+    mode: Literal["read", "build", "off"] = "build"
+    pixels: bool = True
+    encoder: dict | None = None
+    encoder_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    encoder_key: str = "latent"
+    encoder_batch_size: int | None = None
+    compression: Literal["zstd", "none"] = "zstd"
+    compression_level: int = 3
+    shard_size_mb: int = 256
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.mode not in MODES:
+            out.append(f"data.cache.mode = {self.mode!r}: must be one of {', '.join(MODES)}")
+        if self.mode != "off" and not self.dir:
+            out.append("data.cache.dir is not set: name the cache folder (a local path or s3://bucket/prefix), "
+                       "or set data.cache.mode: off")
+        if self.mode != "off" and not self.pixels and not self.encoder:
+            out.append("data.cache caches nothing: set data.cache.pixels: true and/or data.cache.encoder")
+        if self.encoder is not None and not (isinstance(self.encoder, dict) and isinstance(self.encoder.get("class_path"), str)):
+            out.append(f"data.cache.encoder = {self.encoder!r}: give it as {{class_path: my.Module, init_args: {{...}}}}")
+        if self.encoder_dtype not in DTYPES:
+            out.append(f"data.cache.encoder_dtype = {self.encoder_dtype!r}: must be one of {', '.join(DTYPES)}")
+        if self.compression not in ("zstd", "none"):
+            out.append(f"data.cache.compression = {self.compression!r}: must be zstd or none")
+        if self.compression == "zstd" and not 1 <= self.compression_level <= 22:
+            out.append(f"data.cache.compression_level = {self.compression_level}: zstd levels are 1..22")
+        if not 1 <= self.shard_size_mb <= 4000:
+            out.append(f"data.cache.shard_size_mb = {self.shard_size_mb}: must be in 1..4000 (offsets are 32-bit)")
+        if self.encoder_batch_size is not None and self.encoder_batch_size < 1:
+            out.append(f"data.cache.encoder_batch_size = {self.encoder_batch_size}: must be >= 1")
+        return out
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def fields(self) -> list[str]:
+        """The cached fields, in a fixed order."""
+        return [f for f, on in (("pixels", self.pixels), ("encoder", self.encoder is not None)) if on]

@@ -1,0 +1,99 @@
+"""The frozen encoder of an encoder cache: built from the config, identified by its weights.
+
+Any ``torch.nn.Module`` works: it gets the image batch (B, 3, H, W), normalised with
+``data.mean`` and ``data.std`` exactly as training batches are, and returns a tensor
+(B, ...). For diffusers' ``AutoencoderKL`` use ``VAEEncoder``, which returns latents::
+
+    encoder:
+      class_path: lit_dist.cache.encoders.VAEEncoder
+      init_args: {pretrained: stabilityai/sd-vae-ft-mse}       # on a cluster with the weights
+      # init_args: {config: {latent_channels: 4, ...}}         # random weights from a config (tests)
+"""
+
+import hashlib
+import json
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lit_dist.errors import ConfigError
+
+
+def load_encoder(spec: dict) -> nn.Module:
+    """Build ``spec`` ({class_path, init_args}) as a frozen module in eval mode, on the CPU."""
+    from lightning.pytorch.cli import instantiate_class
+
+    class_path = spec.get("class_path", "")
+    try:
+        module = instantiate_class((), {"class_path": class_path, "init_args": dict(spec.get("init_args") or {})})
+    except (ImportError, AttributeError, ModuleNotFoundError) as exc:
+        raise ConfigError(f"data.cache.encoder.class_path = {class_path!r} does not import ({exc}). Install the "
+                          "package that provides it (diffusers: pip install 'lit-dist[latent]') or fix the path.") from exc
+    except TypeError as exc:
+        raise ConfigError(f"data.cache.encoder.init_args do not fit {class_path} ({exc})") from exc
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"data.cache.encoder.class_path = {class_path!r} is a {type(module).__name__}, not a "
+                          "torch.nn.Module")
+    module.eval().requires_grad_(False)
+    return module
+
+
+def weights_sha256(module: nn.Module) -> str:
+    """sha256 over every parameter and buffer (name, dtype, shape, bytes), in name order."""
+    sha = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        sha.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        sha.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return sha.hexdigest()
+
+
+def description(spec: dict, module: nn.Module, dtype: str, mean, std) -> dict:
+    """Everything that makes an encoder entry what it is; its fingerprint keys the entries."""
+    return {
+        "field": "encoder",
+        "class_path": spec["class_path"],
+        "init_args": json.loads(json.dumps(spec.get("init_args") or {}, sort_keys=True, default=str)),
+        "weights_sha256": weights_sha256(module),
+        "dtype": dtype,
+        "input": {"crop": "centre of the bucket-sized image", "mean": list(mean), "std": list(std)},
+    }
+
+
+class VAEEncoder(nn.Module):
+    """Latents of diffusers' ``AutoencoderKL``: ``encode(x).latent_dist`` mean (or a sample) x scaling factor."""
+
+    def __init__(self, pretrained: str | None = None, subfolder: str | None = None, config: dict | None = None,
+                 output: Literal["mean", "sample"] = "mean", seed: int = 0):
+        """Load or build the VAE.
+
+        Args:
+            pretrained: A diffusers model id or folder to load weights from (needs them on disk or the hub).
+            subfolder: Subfolder of ``pretrained`` holding the VAE (e.g. "vae" of a full pipeline).
+            config: Instead of pretrained: AutoencoderKL init arguments, randomly initialised from ``seed``.
+            output: mean (the distribution's mean) or sample (one draw, from ``seed``).
+            seed: Seed of the random initialisation (with config) and of the draws (output: sample).
+        """
+        super().__init__()
+        try:
+            from diffusers import AutoencoderKL
+        except ImportError as exc:
+            raise ConfigError("data.cache.encoder: VAEEncoder needs diffusers (pip install 'lit-dist[latent]')") from exc
+        if (pretrained is None) == (config is None):
+            raise ConfigError("data.cache.encoder.init_args: give VAEEncoder exactly one of pretrained or config")
+        if pretrained is not None:
+            self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self.vae = AutoencoderKL(**config)
+        self.output, self.seed = output, seed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) in [-1, 1]
+        dist = self.vae.encode(x).latent_dist
+        if self.output == "mean":
+            latents = dist.mean
+        else:
+            latents = dist.sample(torch.Generator(x.device).manual_seed(self.seed))
+        return latents * self.vae.config.scaling_factor  # (B, C, H / f, W / f)

@@ -1,0 +1,104 @@
+"""What a run needs from its cache: every sample of every dataset, keyed per cached field.
+
+``CachePlan`` is made from the data module's datasets (all rows: train, val, test and
+predict read the same cache) and the ``data.cache`` config. It knows each field's
+fingerprint, each sample's id and key, and turns the published index into per-dataset
+views for the loader, with the coverage a user is shown.
+"""
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lit_dist.cache import keys
+from lit_dist.cache.config import CacheConfig
+from lit_dist.cache.reader import Coverage, FieldIndex
+from lit_dist.cache.store import CacheStore
+from lit_dist.errors import DataError
+
+log = logging.getLogger(__name__)
+STORED_DTYPE = {"pixels": "uint8"}
+
+
+@dataclass
+class DatasetNeed:
+    """One dataset's samples: the dataset that decodes them, their bucket sizes, ids and keys per field."""
+
+    images: object  # a BucketImageDataset over all rows of the table, centre crops
+    sizes: np.ndarray  # (n, 2) bucket (width, height) of each row
+    samples: np.ndarray  # uint64 id of each row
+    identity: np.ndarray | None = None  # uint64 version of each source file (size and mtime, or ETag)
+    keys: dict[str, np.ndarray] = field(default_factory=dict)  # field -> uint64 key of each row
+
+
+class CachePlan:
+    """The cache of a run: its store, its fields' fingerprints, and what each dataset needs."""
+
+    def __init__(self, config: CacheConfig, needs: list[DatasetNeed], buckets: dict, mean, std,
+                 storage_options: dict | None = None):
+        self.config = config
+        self.store = CacheStore(config.dir, storage_options)
+        self.needs = needs
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.fields = config.fields()
+        self.encoder = None
+        # The bucket settings are in every description: entries of another resolution are named as such.
+        self.descriptions = {"pixels": {"field": "pixels", **keys.PIXEL_RULE, "buckets": buckets}}
+        if config.encoder is not None:
+            from lit_dist.cache.encoders import description, load_encoder
+
+            self.encoder = load_encoder(config.encoder)
+            self.descriptions["encoder"] = {**description(config.encoder, self.encoder, config.encoder_dtype, mean, std),
+                                            "buckets": buckets}
+        self.fingerprints = {f: keys.fingerprint(self.descriptions[f]) for f in self.fields}
+        for need in needs:
+            need.keys = {f: keys.entry_keys(need.samples, self.identity(need), need.sizes, self.fingerprints[f])
+                         for f in self.fields}
+
+    @staticmethod
+    def identity(need: DatasetNeed) -> np.ndarray:
+        return need.identity if need.identity is not None else np.zeros(len(need.samples), np.uint64)
+
+    def dtype(self, name: str) -> str:
+        return STORED_DTYPE.get(name, self.config.encoder_dtype)
+
+    def batch_key(self, name: str) -> str:
+        """The batch key a field's arrays travel under ("pixels" become the `image` crop)."""
+        return "pixels" if name == "pixels" else self.config.encoder_key
+
+    def match(self) -> tuple[list[dict], dict[str, Coverage]]:
+        """Per dataset {field: entry positions in the index, -1 if none}, the indexes, and each field's coverage."""
+        found: list[dict] = [{} for _ in self.needs]
+        coverage = {f: Coverage(f) for f in self.fields}
+        self.indexes = {}
+        for name in self.fields:
+            shards = self.store.manifest(name)["shards"]
+            try:
+                index = FieldIndex(self.store, name, shards)
+            except (OSError, ValueError) as exc:
+                raise DataError(f"data.cache.dir = {self.config.dir!r}: the index of {name} cannot be read ({exc}); "
+                                f"run `lit-dist cache --config ... --check`, or rebuild") from exc
+            self.indexes[name] = index
+            for i, need in enumerate(self.needs):
+                found[i][name], cov = index.match(need.samples, need.keys[name])
+                coverage[name].add(cov)
+        return found, coverage
+
+    def views(self, found: list[dict]) -> list[dict]:
+        """Per dataset, {batch key: FieldView} for the loader."""
+        return [{self.batch_key(name): self.indexes[name].view(entries, self.dtype(name)) for name, entries in f.items()}
+                for f in found]
+
+    def describe_other(self, name: str, fingerprints: tuple) -> str:
+        """How the configurations behind stale entries differ from today's, in a few words."""
+        configs = self.store.configs(name)
+        ours = self.descriptions[name]
+        parts = []
+        for fp in fingerprints:
+            theirs = configs.get(fp)
+            if theirs is None or fp == self.fingerprints[name]:
+                continue
+            changed = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+            parts.append(f"{fp} (differs in {', '.join(changed) or 'nothing recorded'})")
+        return "; ".join(parts)

@@ -1,0 +1,166 @@
+"""Looking samples up in a cache: the published index of a field, matched against what a run needs.
+
+A run keeps, per cached field and sample, 16 bytes: the shard (int32, -1 when absent),
+the entry's offset and length in it and its crc32 (uint32 each). Reading a sample reads
+that byte range and nothing else.
+"""
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from lit_dist.cache.keys import _combine
+from lit_dist.cache.shards import CorruptEntry, decode, read_index
+
+log = logging.getLogger(__name__)
+MISSING = -1
+
+
+@dataclass
+class Coverage:
+    """How much of what a run needs a field's cache holds."""
+
+    field: str
+    needed: int = 0
+    hits: int = 0
+    stale: int = 0  # the sample has entries, but none with today's key (source, transform or encoder changed)
+    unreadable: int = 0  # known bad sources (recorded while building): replaced at load like bad images
+    other_configs: tuple = ()  # fingerprints of the stale entries' configurations
+
+    @property
+    def missing(self) -> int:
+        return self.needed - self.hits - self.unreadable
+
+    def add(self, other: "Coverage") -> None:
+        self.needed += other.needed
+        self.hits += other.hits
+        self.stale += other.stale
+        self.unreadable += other.unreadable
+        self.other_configs = tuple(sorted(set(self.other_configs) | set(other.other_configs)))
+
+    def summary(self) -> str:
+        return (f"{self.field}: {self.hits} of {self.needed} cached ({self.hits / max(self.needed, 1):.1%}), "
+                f"{self.missing} missing ({self.stale} of them stale), {self.unreadable} unreadable sources")
+
+
+class FieldIndex:
+    """Every published entry of one field, sorted for lookups."""
+
+    def __init__(self, store, field: str, shards: list[dict]):
+        self.store, self.field, self.shards = store, field, shards
+        self.fingerprints = np.array([s["fingerprint"] for s in shards]) if shards else np.zeros(0, dtype="<U16")
+        with ThreadPoolExecutor(8) as pool:  # object stores: the index files are read concurrently
+            tables = list(pool.map(lambda s: read_index(store.read_index(field, s)), shards))
+        count = sum(t.num_rows for t in tables)
+        self.sample = np.empty(count, dtype=np.uint64)
+        self.key = np.empty(count, dtype=np.uint64)
+        self.shard = np.empty(count, dtype=np.int32)
+        self.offset = np.empty(count, dtype=np.uint32)
+        self.length = np.empty(count, dtype=np.uint32)
+        self.crc = np.empty(count, dtype=np.uint32)
+        at = 0
+        for i, table in enumerate(tables):
+            n = table.num_rows
+            for name in ("sample", "key", "offset", "length"):
+                getattr(self, name)[at : at + n] = table.column(name).to_numpy()
+            self.crc[at : at + n] = table.column("crc32").to_numpy()
+            self.shard[at : at + n] = i
+            at += n
+        self._combined = _combine(self.sample, self.key)
+        self._order = np.argsort(self._combined, kind="stable")
+        self._sorted = self._combined[self._order]
+        self._samples = np.unique(self.sample)
+
+    def match(self, samples: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, Coverage]:
+        """Per needed sample, the entry position in this index (-1 if none), and the coverage."""
+        coverage = Coverage(self.field, needed=len(samples))
+        if not len(self._sorted):
+            found = np.full(len(samples), MISSING, dtype=np.int64)
+            return found, coverage
+        wanted = _combine(samples, keys)
+        at = np.minimum(np.searchsorted(self._sorted, wanted), len(self._sorted) - 1)
+        entry = self._order[at]
+        hit = (self._sorted[at] == wanted) & (self.sample[entry] == samples) & (self.key[entry] == keys)
+        found = np.where(hit, entry, MISSING)
+        bad = hit & (self.length[entry] == 0)
+        coverage.hits = int((hit & ~bad).sum())
+        coverage.unreadable = int(bad.sum())
+        stale = ~hit & np.isin(samples, self._samples)
+        coverage.stale = int(stale.sum())
+        if coverage.stale:
+            mine = np.isin(self.sample, samples[stale])
+            coverage.other_configs = tuple(sorted(set(self.fingerprints[np.unique(self.shard[mine])].tolist())))
+        return found, coverage
+
+    def view(self, found: np.ndarray, dtype: str) -> "FieldView":
+        ok = found >= 0
+        entry = np.where(ok, found, 0)
+        if not len(self.shard):
+            return FieldView(self.field, dtype, [], self.store.fs.storage_options,
+                             np.full(len(found), MISSING, np.int32), *(np.zeros(len(found), np.uint32),) * 3)
+        return FieldView(
+            self.field, dtype, [self.store.shard_url(self.field, s["name"]) for s in self.shards],
+            self.store.fs.storage_options,
+            np.where(ok, self.shard[entry], MISSING).astype(np.int32),
+            np.where(ok, self.offset[entry], 0).astype(np.uint32),
+            np.where(ok, self.length[entry], 0).astype(np.uint32),
+            np.where(ok, self.crc[entry], 0).astype(np.uint32),
+        )
+
+
+class MissingEntry(Exception):
+    """No usable entry for a sample: not built, or its source could not be decoded when it was."""
+
+
+class FieldView:
+    """One field's entries for the samples of one dataset, by table position; safe to pickle to loader workers."""
+
+    def __init__(self, field: str, dtype: str, urls: list[str], storage_options: dict, shard: np.ndarray,
+                 offset: np.ndarray, length: np.ndarray, crc: np.ndarray):
+        self.field, self.dtype, self.urls, self.storage_options = field, dtype, urls, storage_options
+        self.shard, self.offset, self.length, self.crc = shard, offset, length, crc
+        self._files, self._pid, self._fs = {}, None, None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": {}, "_pid": None, "_fs": None}
+
+    def take(self, positions: np.ndarray) -> "FieldView":
+        """The entries of ``positions`` only (for a split pickled to a spawned worker)."""
+        return FieldView(self.field, self.dtype, self.urls, self.storage_options, self.shard[positions],
+                         self.offset[positions], self.length[positions], self.crc[positions])
+
+    def covered(self) -> np.ndarray:
+        return (self.shard >= 0) & (self.length > 0)
+
+    def read(self, position: int) -> np.ndarray:
+        """The cached array of the sample at table ``position``; MissingEntry or CorruptEntry otherwise."""
+        shard = int(self.shard[position])
+        length = int(self.length[position])
+        if shard < 0 or length == 0:
+            raise MissingEntry("not in the cache" if shard < 0 else "its source could not be decoded when the cache was built")
+        offset = int(self.offset[position])
+        return decode(self._read(shard, offset, length), int(self.crc[position]), self.dtype)
+
+    def _read(self, shard: int, offset: int, length: int) -> bytes:
+        if self._pid != os.getpid():  # handles are opened per process (s3fs clients do not survive a fork)
+            self._files, self._pid, self._fs = {}, os.getpid(), None
+        url = self.urls[shard]
+        if "://" not in url:
+            fd = self._files.get(shard)
+            if fd is None:
+                fd = self._files[shard] = os.open(url, os.O_RDONLY)
+            data = os.pread(fd, length, offset)
+            if len(data) != length:
+                raise CorruptEntry(f"{url} is shorter than its index says")
+            return data
+        if self._fs is None:
+            import fsspec
+
+            self._fs = fsspec.core.url_to_fs(url, **self.storage_options)[0]
+        return self._fs.cat_file(url, start=offset, end=offset + length)  # one ranged GET
+
+
+__all__ = ["Coverage", "CorruptEntry", "FieldIndex", "FieldView", "MissingEntry"]
