@@ -77,13 +77,14 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
         _run(plan, mine, device, num_workers, outcome, rank, progress)
     except Exception as exc:  # reported to every rank below, so none waits for this one
         outcome["error"] = (type(exc).__name__, str(exc), isinstance(exc, LitDistError), getattr(exc, "exit_code", 1))
-        log.exception("lit-dist cache: rank %d failed", rank)
+        if not isinstance(exc, LitDistError):  # a user error is printed once, by whoever catches it; a bug's trace here
+            log.exception("lit-dist cache: rank %d failed", rank)
     outcomes = comm.gather(outcome)
     failed = [o for o in outcomes if o["error"]]
     if failed:
         first = failed[0]
         kind, message, user_error, code = first["error"]
-        text = f"building the cache failed on rank {first['rank']}: {kind}: {message}"
+        text = f"building the cache failed on rank {first['rank']}: {message if user_error else f'{kind}: {message}'}"
         raise (DataError(text) if code == DataError.exit_code else ConfigError(text)) if user_error else RuntimeError(text)
     if rank == 0:
         for name in plan.fields:

@@ -73,11 +73,12 @@ class CacheStore:
                 write_bytes_atomically(self.fs, self.path(MARKER),
                                        json.dumps({"kind": KIND, "format": FORMAT, "created": time.time()}).encode())
                 return True
-        except PermissionError as exc:
-            raise ConfigError(f"data.cache.dir = {self.url!r}: permission denied ({exc}). Give this user read "
-                              "(and for building, write) access, or choose another folder.") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DataError(f"data.cache.dir = {self.url!r}: its {MARKER} is unreadable ({exc})") from exc
+        except OSError as exc:  # permissions, a file where a folder should be, an unreachable store
+            raise ConfigError(f"data.cache.dir = {self.url!r}: this process cannot {'create' if create else 'read'} "
+                              f"it ({exc}). Give this user read (and for building, write) access, or choose another "
+                              "folder.") from exc
         return False
 
     def check_writable(self) -> None:

@@ -1,0 +1,37 @@
+"""Frozen encoders for cache tests, named in YAML as ``tests.helpers.encoders.<Name>``."""
+
+import torch
+from torch import nn
+
+
+class TinyEncoder(nn.Module):
+    """A strided convolution with weights from ``seed``: (B, 3, H, W) -> (B, channels, H / 8, W / 8).
+
+    ``bump`` adds to one weight: a changed encoder whose config looks otherwise the same.
+    """
+
+    def __init__(self, channels: int = 4, seed: int = 0, bump: float = 0.0):
+        super().__init__()
+        self.conv = nn.Conv2d(3, channels, kernel_size=8, stride=8)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed)
+            self.conv.weight.copy_(torch.randn(self.conv.weight.shape, generator=g) * 0.1)
+            self.conv.bias.zero_()
+            self.conv.weight[0, 0, 0, 0] += bump
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class FlatEncoder(nn.Module):
+    """Flattens its input: the output's only dimension grows with the bucket, which no model can take."""
+
+    def forward(self, x):
+        return x[:, :1, ::8, ::8].flatten(1)
+
+
+class PooledEncoder(nn.Module):
+    """A fixed-size output whatever the bucket: (B, 3) channel means."""
+
+    def forward(self, x):
+        return x.mean(dim=(2, 3))

@@ -1,0 +1,300 @@
+"""Caches of resized pixels and encoder outputs: built once, read instead of decoding, never stale."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from lit_dist.cache.command import check_cache
+from lit_dist.cache.config import CacheConfig
+from lit_dist.cache.shards import ShardWriter, decode, read_index
+from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.errors import ConfigError, DataError
+
+ENCODER = {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"channels": 4, "seed": 0}}
+
+
+@pytest.fixture
+def data(tmp_path):
+    """120 demo images whose table has bytes and mtime columns (as scans write them); returns the table path."""
+    from lit_dist.data.demo import create_shapes_dataset
+
+    path = tmp_path / "shapes" / "metadata.parquet"
+    create_shapes_dataset(str(path), num_images=120, seed=1)
+    add_identity_columns(path)
+    return path
+
+
+def add_identity_columns(path) -> None:
+    table = pq.read_table(path)
+    stats = [os.stat(path.parent / name) for name in table.column("filename").to_pylist()]
+    table = table.append_column("bytes", pa.array([s.st_size for s in stats], pa.int64()))
+    pq.write_table(table.append_column("mtime", pa.array([s.st_mtime for s in stats], pa.float64())), path)
+
+
+def module(path, cache: CacheConfig | None, **overrides) -> BucketDataModule:
+    kwargs = dict(metadata=str(path), resolution=32, batch_size_per_device=8, num_workers=0, seed=3,
+                  allow_oversubscription=True)
+    return BucketDataModule(**{**kwargs, **overrides, "cache": cache})
+
+
+def cache_config(tmp_path, **overrides) -> CacheConfig:
+    return CacheConfig(**{"dir": str(tmp_path / "cache"), "mode": "build", "encoder": ENCODER, **overrides})
+
+
+def batches(dm: BucketDataModule, split: str = "train", count: int = 6) -> list[dict]:
+    dataset = dm._splits[split]
+    if split == "train":
+        sampler = dm.train_sampler(1, 0)
+    else:
+        from lit_dist.data.sampler import BucketBatchSampler
+
+        sampler = BucketBatchSampler(dataset.bucket_ids, dm.batch_size_per_device, 1, 0, dm.seed, shuffle=False)
+    out = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        out += [dataset[request] for request in list(sampler)[: count // 2]]
+    return out
+
+
+def test_cached_batches_equal_decoded_batches_bitwise(tmp_path, data):
+    cached = module(data, cache_config(tmp_path))
+    cached.setup("fit")
+    plain = module(data, None)
+    plain.setup("fit")
+    for split in ("train", "val"):
+        for a, b in zip(batches(cached, split), batches(plain, split), strict=True):
+            assert torch.equal(a["image"], b["image"])  # the same random crops, from the cached covering image
+            assert torch.equal(a["row"], b["row"]) and torch.equal(a["label"], b["label"])
+            assert a["latent"].dtype == torch.bfloat16 and a["latent"].shape[:2] == (len(a["image"]), 4)
+            h, w = a["image"].shape[1:3]
+            assert a["latent"].shape[2:] == (h // 8, w // 8)
+
+
+def test_encoder_entries_are_the_encoder_applied_to_the_centre_crop(tmp_path, data):
+    from tests.helpers.encoders import TinyEncoder
+
+    cached = module(data, cache_config(tmp_path, pixels=False, encoder_dtype="fp32"))
+    cached.setup("fit")
+    plain = module(data, None, random_crop=False)
+    plain.setup("fit")
+    a, b = batches(cached, "val", 2)[0], batches(plain, "val", 2)[0]
+    assert "image" not in a  # only encoder outputs cached: no image is decoded
+    x = plain.on_after_batch_transfer(dict(b), 0)["image"]
+    with torch.no_grad():
+        expected = TinyEncoder(channels=4, seed=0)(x)
+    torch.testing.assert_close(a["latent"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_training_from_the_cache_opens_no_source_image(tmp_path, data):
+    module(data, cache_config(tmp_path)).setup("fit")
+    shutil.move(data.parent, tmp_path / "moved")  # the images are gone; the table comes along
+    table = tmp_path / "moved" / "metadata.parquet"
+    dm = module(table, cache_config(tmp_path, mode="read"), root=str(data.parent))
+    dm.setup("fit")
+    got = batches(dm, "train")
+    assert all(int(b["bad_samples"]) == 0 for b in got)
+
+
+def test_read_mode_names_what_is_missing_and_the_command(tmp_path, data):
+    with pytest.raises(DataError, match=r"holds no cache.*lit-dist cache --config"):
+        module(data, cache_config(tmp_path, mode="read")).setup("fit")
+    module(data, cache_config(tmp_path, encoder=None)).setup("fit")  # pixels only
+    with pytest.raises(DataError, match=r"incomplete.*encoder: 0 of 120 cached.*120 missing.*lit-dist cache --config"):
+        module(data, cache_config(tmp_path, mode="read")).setup("fit")
+
+
+def test_another_resolution_is_stale_named_and_rebuilt(tmp_path, data, capsys):
+    module(data, cache_config(tmp_path)).setup("fit")
+    with pytest.raises(DataError, match=r"pixels: 0 of 120 cached.*120 missing \(120 of them stale\).*another "
+                                        r"configuration: \w+ \(differs in buckets\)"):
+        module(data, cache_config(tmp_path, mode="read"), resolution=40).setup("fit")
+    rebuilt = module(data, cache_config(tmp_path), resolution=40)
+    rebuilt.setup("fit")
+    assert batches(rebuilt, "train", 2)[0]["image"].shape[1] * batches(rebuilt, "train", 2)[0]["image"].shape[2] > 32 * 32
+
+
+def test_one_changed_encoder_weight_makes_every_encoder_entry_stale(tmp_path, data):
+    module(data, cache_config(tmp_path)).setup("fit")
+    bumped = {**ENCODER, "init_args": {**ENCODER["init_args"], "bump": 1e-3}}
+    with pytest.raises(DataError, match=r"encoder: 0 of 120 cached.*120 of them stale.*differs in .*weights_sha256"):
+        module(data, cache_config(tmp_path, mode="read", encoder=bumped)).setup("fit")
+    old = batches(module_setup(data, cache_config(tmp_path, mode="read")), "val", 2)[0]["latent"]
+    new = batches(module_setup(data, cache_config(tmp_path, encoder=bumped)), "val", 2)[0]["latent"]
+    assert not torch.equal(old, new)  # rebuilt with the new weights, never served the old entries
+
+
+def module_setup(path, cache, **overrides) -> BucketDataModule:
+    dm = module(path, cache, **overrides)
+    dm.setup("fit")
+    return dm
+
+
+def test_a_changed_source_file_is_stale_and_rebuilt_alone(tmp_path, data):
+    first = module_setup(data, cache_config(tmp_path, encoder=None))
+    table = pq.read_table(data)
+    name = table.column("filename")[5].as_py()
+    image = data.parent / name
+    from PIL import Image
+
+    Image.new("RGB", Image.open(image).size, (255, 0, 0)).save(image)
+    add_identity_columns_again(data)
+    with pytest.raises(DataError, match=r"pixels: 119 of 120 cached.*1 missing \(1 of them stale\)"):
+        module_setup(data, cache_config(tmp_path, mode="read", encoder=None))
+    plan, report = module(data, cache_config(tmp_path, encoder=None)).build_cache(torch.device("cpu"))
+    assert report["samples"] == 1  # only the changed image was decoded again
+    assert first is not None
+
+
+def add_identity_columns_again(path) -> None:
+    table = pq.read_table(path).drop_columns(["bytes", "mtime"])
+    pq.write_table(table, path)
+    add_identity_columns(path)
+
+
+def test_a_flipped_byte_is_caught_replaced_while_training_and_rebuilt(tmp_path, data, capsys):
+    dm = module_setup(data, cache_config(tmp_path, encoder=None))
+    shard = next((tmp_path / "cache" / "pixels" / "shards").glob("*[0-9a-f].arrow"))
+    index = read_index((shard.parent / (shard.stem + ".index.arrow")).read_bytes())
+    raw = bytearray(shard.read_bytes())
+    raw[int(index.column("offset")[3].as_py()) + 200] ^= 0xFF  # inside the fourth sample's bytes
+    shard.write_bytes(bytes(raw))
+
+    assert check_cache(module(data, cache_config(tmp_path, mode="read", encoder=None))) == 3
+    assert "does not match its sha256 (corrupted)" in capsys.readouterr().out
+
+    # While training the entry fails its crc32 and is replaced like a bad image: counted, never a crash.
+    dm = module_setup(data, cache_config(tmp_path, mode="read", encoder=None))
+    bad_row = int(np.flatnonzero(dm._cache_views[0]["pixels"].offset == index.column("offset")[3].as_py())[0])
+    view = dm._cache_views[0]["pixels"]
+    with pytest.raises(Exception, match="crc32"):
+        view.read(bad_row)
+
+    # A build verifies every shard's sha256, drops the damaged one and rebuilds its samples.
+    _, report = module(data, cache_config(tmp_path, encoder=None)).build_cache(torch.device("cpu"), verify=True)
+    assert report["samples"] == int(index.num_rows)
+    assert "is damaged: does not match its sha256" in capsys.readouterr().out
+    assert check_cache(module(data, cache_config(tmp_path, mode="read", encoder=None))) == 0
+
+
+def test_a_corrupt_entry_is_replaced_by_another_sample_of_its_bucket_and_counted(tmp_path, data):
+    dm = module_setup(data, cache_config(tmp_path, encoder=None))
+    view = dm._splits["train"].cache["pixels"]
+    view.crc[:] ^= 1  # every entry fails its check: each sample is replaced, then the batch gives up
+    dataset = dm._splits["train"]
+    sampler = dm.train_sampler(1, 0)
+    first = next(iter(sampler))
+    view.crc[:] ^= 1
+    target = first[1][0]
+    view.crc[int(dataset.positions[target])] ^= 1  # one entry bad
+    batch = dataset[first]
+    assert int(batch["bad_samples"]) == 1
+    assert target not in batch["row"].tolist() or dataset.rows[target] not in batch["row"].tolist()
+
+
+def test_torn_and_unlisted_shards_are_removed_and_finished_shards_of_a_killed_build_kept(tmp_path, data):
+    from lit_dist.cache.build import _run
+
+    cfg = cache_config(tmp_path, encoder=None, shard_size_mb=1)
+    dm = module(data, cfg)
+    plan = dm.cache_plan(dm.read())
+    plan.store.check(create=True)
+    # A build killed after it finished (and listed) one shard of 40 samples, while writing a second.
+    found, _ = plan.match()
+    from lit_dist.cache.build import _work
+
+    work = _work(plan, found, 8)[:5]
+    done = sum(len(rows) for _, rows, _ in work)
+    _run(plan, work, torch.device("cpu"), 0, {"samples": 0, "unreadable": 0, "bytes": 0, "raw_bytes": 0, "shards": 0},
+         rank=0, progress=False)
+    shards = tmp_path / "cache" / "pixels" / "shards"
+    (shards / "torn.arrow").write_bytes(b"ARROW1\0\0 half a shard")
+    (shards / ".20261122-x.arrow.tmp-1234").write_bytes(b"partial")
+    _, report = dm.build_cache(torch.device("cpu"))
+    assert report["samples"] == 120 - done  # the listed shard counted; only the rest was built
+    names = sorted(p.name for p in shards.iterdir())
+    assert "torn.arrow" not in names and not any(n.startswith(".") for n in names)
+    assert check_cache(module(data, cache_config(tmp_path, mode="read", encoder=None))) == 0
+
+
+def test_an_unreadable_source_is_recorded_and_replaced_at_load(tmp_path, data):
+    table = pq.read_table(data)
+    name = table.column("filename")[7].as_py()
+    (data.parent / name).write_bytes(b"not an image")
+    add_identity_columns_again(data)
+    _, report = module(data, cache_config(tmp_path, encoder=None)).build_cache(torch.device("cpu"))
+    assert report["unreadable"] == 1
+    dm = module_setup(data, cache_config(tmp_path, mode="read", encoder=None))  # known bad is not missing
+    view = dm._cache_views[0]["pixels"]
+    assert int((view.shard >= 0).sum()) == 120 and int((view.length == 0).sum()) == 1
+
+
+def test_reader_keeps_16_bytes_per_sample_and_field_and_reads_one_range(tmp_path, data, monkeypatch):
+    dm = module_setup(data, cache_config(tmp_path))
+    for view in dm._cache_views[0].values():
+        per_sample = sum(a.nbytes for a in (view.shard, view.offset, view.length, view.crc)) / len(view.shard)
+        assert per_sample == 16
+    reads = []
+    real = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append(n) or real(fd, n, at))
+    view = dm._cache_views[0]["pixels"]
+    view.read(10)
+    assert reads == [int(view.length[10])]
+
+
+def test_shard_round_trip_and_compression_choice():
+    rng = np.random.default_rng(0)
+    arrays = [np.repeat(rng.integers(0, 4, (20, 30, 1), dtype=np.uint8), 3, axis=2) for _ in range(5)]
+    sizes = {}
+    for compression in ("zstd", "none"):
+        writer = ShardWriter("uint8", compression)
+        for i, a in enumerate(arrays):
+            writer.add(i, 100 + i, a)
+        data, index = writer.finish()
+        table = read_index(index)
+        for i, a in enumerate(arrays):
+            at, n = table.column("offset")[i].as_py(), table.column("length")[i].as_py()
+            assert np.array_equal(decode(data[at : at + n], table.column("crc32")[i].as_py(), "uint8"), a)
+        assert pa.ipc.open_file(pa.py_buffer(data)).read_all().num_rows == 5  # any Arrow reader opens a shard
+        sizes[compression] = len(data)
+    assert sizes["zstd"] < sizes["none"] / 2
+
+
+def test_bad_cache_configs_are_named_together(tmp_path, data):
+    bad = CacheConfig(dir=None, mode="build", pixels=False, encoder=None, compression_level=40, shard_size_mb=9000)
+    with pytest.raises(ConfigError, match=r"(?s)4 problems.*data.cache.dir is not set.*caches nothing.*compression_level = "
+                                          r"40.*shard_size_mb = 9000"):
+        module(data, bad)
+
+
+def test_a_folder_that_is_not_a_cache_or_from_a_newer_lit_dist_is_refused(tmp_path, data):
+    other = tmp_path / "cache"
+    other.mkdir()
+    (other / "holiday.jpg").write_bytes(b"x")
+    with pytest.raises(DataError, match=r"other files in it and no CACHE.json: it is not a lit-dist cache"):
+        module_setup(data, cache_config(tmp_path))
+    (other / "holiday.jpg").unlink()
+    (other / "CACHE.json").write_text(json.dumps({"kind": "lit-dist cache", "format": 99}))
+    with pytest.raises(DataError, match=r"newer lit-dist \(cache format 99"):
+        module_setup(data, cache_config(tmp_path))
+
+
+def test_a_cache_path_that_cannot_be_written_is_a_config_error(tmp_path, data):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"data.cache.dir = .*file/cache.*cannot create it"):
+        module_setup(data, CacheConfig(dir=str(tmp_path / "file" / "cache"), encoder=None))
+
+
+def test_encoder_that_does_not_import_or_whose_shape_varies_is_a_config_error(tmp_path, data):
+    with pytest.raises(ConfigError, match=r"encoder.class_path = 'nowhere.Encoder' does not import"):
+        module_setup(data, cache_config(tmp_path, encoder={"class_path": "nowhere.Encoder"}))
+    flat = {"class_path": "tests.helpers.encoders.FlatEncoder"}
+    with pytest.raises(ConfigError, match=r"non-spatial dimensions differ between buckets"):
+        module_setup(data, cache_config(tmp_path, encoder=flat))
+    pooled = module_setup(data, cache_config(tmp_path, encoder={"class_path": "tests.helpers.encoders.PooledEncoder"}))
+    assert all(b["latent"].shape[1:] == (3,) for b in batches(pooled, "val", 4))
