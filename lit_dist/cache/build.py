@@ -215,8 +215,10 @@ def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, ou
         outcome["shards"] += 1
         writers[name] = ShardWriter(plan.dtype(name), cfg.compression, cfg.compression_level)
 
+    # Its own generator: a loader started from the global RNG would shift every random draw of the training
+    # that follows (mode build), and a run would differ from one that found the cache complete.
     loader = torch.utils.data.DataLoader(_Decode(plan, mine), batch_size=None, num_workers=num_workers,
-                                         collate_fn=_as_is)
+                                         collate_fn=_as_is, generator=torch.Generator().manual_seed(0))
     total = sum(len(rows) for _, rows, _ in mine)
     with tqdm(total=total, desc=f"lit-dist cache (rank {rank})", unit="img", disable=not progress or rank != 0,
               mininterval=2) as bar:

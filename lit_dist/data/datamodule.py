@@ -162,12 +162,25 @@ class BucketDataModule(LightningDataModule):
 
             rank_zero_info(f"lit-dist: demo dataset not found at {self.metadata}; generating it (once)")
             create_shapes_dataset(self.metadata, num_images=self.demo_num_images, seed=self.seed)
+        from lit_dist.distributed import Comm
+
+        if Comm.current().world == 1:  # with several ranks, setup() scans: every rank reads a share of the headers
+            self.index_folders()
+
+    def index_folders(self) -> None:
+        """Index every ``scan_root`` dataset into its cached table (headers of new or changed files only).
+
+        A collective when a process group of several ranks exists (every rank must call it): the
+        header reads are split among the ranks, rank 0 writes the table, every rank then reads it.
+        """
+        from lit_dist.data.discovery import load_or_scan
+        from lit_dist.distributed import Comm
+
+        comm = Comm.current()
         for source in self.sources:
             if source.scan_root is not None:
-                from lit_dist.data.discovery import load_or_scan
-
                 load_or_scan(source.scan_root, source.table_path, self.storage_options, source.labels_from_folders,
-                             self.preserve_cache)
+                             self.preserve_cache, comm=comm)
 
     def read(self) -> list:
         """Per dataset: its cleaned metadata (bad rows reported), each row's bucket and split (0/1/2)."""
@@ -193,6 +206,10 @@ class BucketDataModule(LightningDataModule):
             trainer.callbacks.append(self.monitor)
         if self._splits:
             return
+        from lit_dist.distributed import Comm
+
+        if Comm.current().world > 1:  # every rank is here (prepare_data runs on one per node): split the scan
+            self.index_folders()
         parts = self.read()
         if self.cache is not None:
             device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
@@ -401,6 +418,10 @@ class BucketDataModule(LightningDataModule):
         return batch
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        if self.cache is not None and self.cache.encoder_key in batch:
+            # Stored and sent in data.cache.encoder_dtype (half the bytes for bf16); the model gets float32,
+            # which autocast lowers again under mixed precision.
+            batch[self.cache.encoder_key] = batch[self.cache.encoder_key].float()
         if "image" not in batch:  # only encoder outputs cached: nothing to normalise
             return batch
         image = batch["image"].permute(0, 3, 1, 2).float()  # (B, H, W, C) uint8 -> (B, C, H, W) float, 0..255

@@ -298,3 +298,21 @@ def test_encoder_that_does_not_import_or_whose_shape_varies_is_a_config_error(tm
         module_setup(data, cache_config(tmp_path, encoder=flat))
     pooled = module_setup(data, cache_config(tmp_path, encoder={"class_path": "tests.helpers.encoders.PooledEncoder"}))
     assert all(b["latent"].shape[1:] == (3,) for b in batches(pooled, "val", 4))
+
+
+def test_a_run_trained_from_the_cache_resumes_bitwise_and_equals_decoding(tmp_path, demo_data):
+    from tests.unit.test_resume import run, steps_per_epoch
+
+    cache = {"cache": CacheConfig(dir=str(tmp_path / "cache"), mode="build")}
+    per_epoch = steps_per_epoch(demo_data)
+    stop, end = per_epoch + per_epoch // 2, 2 * per_epoch + 3
+    decoded, _, _ = run(tmp_path / "a", demo_data, max_steps=end)
+    straight, _, _ = run(tmp_path / "b", demo_data, max_steps=end, data=cache)  # builds the cache, then trains
+    run(tmp_path / "c", demo_data, max_steps=end, stop=stop, data={"cache": CacheConfig(dir=str(tmp_path / "cache"),
+                                                                                      mode="read")})
+    resumed, trainer, _ = run(tmp_path / "c", demo_data, max_steps=end, resume=True, data=cache)
+    assert trainer.global_step == end
+    for (name, a), b, c in zip(straight.state_dict().items(), resumed.state_dict().values(),
+                               decoded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), f"{name} differs after resume"
+        assert torch.equal(a, c), f"{name} differs from the run that decoded its images"
