@@ -26,11 +26,11 @@ def write_config(path, demo_data, cache_dir) -> str:
     return str(path)
 
 
-def entries(cache_dir) -> dict:
+def entries(cache_dir, fields=("pixels", "encoder")) -> dict:
     """(field, sample, key) -> the decoded array, for every published entry."""
     store = CacheStore(str(cache_dir))
     out = {}
-    for field in ("pixels", "encoder"):
+    for field in fields:
         shards = store.manifest(field)["shards"]
         index = FieldIndex(store, field, shards)
         for i in range(len(index.sample)):
