@@ -58,13 +58,7 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
     """Build what ``plan`` lacks, on every rank; returns rank 0's summary (the same dict on every rank)."""
     comm = comm or Comm()
     store, rank = plan.store, comm.rank
-    if rank == 0:
-        store.check(create=True)
-        for name in plan.fields:
-            store.publish(name)  # what interrupted builds finished counts; what they left unlisted goes
-            store.record_config(name, plan.fingerprints[name], plan.descriptions[name])
-    comm.barrier()
-    store.check()
+    prepare(plan, comm)
     _drop_damaged(plan, comm, verify)
     found, coverage = plan.match()
     work = _work(plan, found, plan.config.encoder_batch_size or batch_size)
@@ -94,6 +88,24 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
     total = {k: sum(o[k] for o in outcomes) for k in ("samples", "unreadable", "bytes", "raw_bytes", "shards")}
     return {**total, "needed": sum(len(rows) for _, rows, _ in work), "seconds": elapsed, "ranks": comm.world,
             "coverage_before": {k: v.summary() for k, v in coverage.items()}}
+
+
+def prepare(plan: CachePlan, comm: Comm) -> None:
+    """Rank 0 creates the cache, folds in what interrupted builds finished and removes what they left unlisted."""
+    if comm.rank == 0:
+        plan.store.check(create=True)
+        for name in plan.fields:
+            plan.store.publish(name)
+            plan.store.record_config(name, plan.fingerprints[name], plan.descriptions[name])
+    comm.barrier()
+    plan.store.check()
+
+
+def check_encoder(plan: CachePlan, device: torch.device) -> None:
+    """The encoder's output shapes on every bucket size of the run (see _check_encoder_shapes)."""
+    if plan.encoder is not None:
+        sizes = sorted({tuple(int(v) for v in s) for need in plan.needs for s in np.unique(need.sizes, axis=0)})
+        _check_encoder_shapes(plan, device, sizes)
 
 
 def _drop_damaged(plan: CachePlan, comm: Comm, verify: bool) -> None:
@@ -231,8 +243,8 @@ def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, ou
                     writers["pixels"].add(int(need.samples[rows[i]]), int(need.keys["pixels"][rows[i]]), images[i])
             if encoder is not None:
                 todo = [i for i in np.flatnonzero(lacking["encoder"]) if images[i] is not None]
-                outputs = _encode(encoder, [centre_crop(images[i], w, h) for i in todo], mean, std, cfg.encoder_dtype,
-                                  device) if todo else []
+                crops = torch.from_numpy(np.stack([centre_crop(images[i], w, h) for i in todo])) if todo else None
+                outputs = _encode(encoder, crops.to(device), mean, std, cfg.encoder_dtype) if todo else []
                 for i in np.flatnonzero(lacking["encoder"]):
                     array = outputs[todo.index(i)] if images[i] is not None else None
                     writers["encoder"].add(int(need.samples[rows[i]]), int(need.keys["encoder"][rows[i]]), array)
@@ -249,10 +261,10 @@ def _as_is(item):
     return item  # the default collate would turn the arrays into tensors
 
 
-def _encode(encoder, crops: list[np.ndarray], mean, std, dtype: str, device) -> list[np.ndarray]:
-    """Encoder outputs of centre crops, as arrays in the stored dtype (bf16 as raw 16-bit words)."""
-    batch = torch.from_numpy(np.stack(crops)).to(device)  # (B, H, W, 3) uint8
-    x = (batch.permute(0, 3, 1, 2).float() - mean) / std  # (B, 3, H, W), normalised as training batches are
+def _encode(encoder, crops: torch.Tensor, mean, std, dtype: str) -> list[np.ndarray]:
+    """Encoder outputs of centre crops (B, H, W, 3) uint8 on the encoder's device, as arrays in the stored dtype
+    (bf16 as raw 16-bit words)."""
+    x = (crops.permute(0, 3, 1, 2).float() - mean) / std  # (B, 3, H, W), normalised as training batches are
     with torch.inference_mode():
         out = encoder(x)
     target = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]

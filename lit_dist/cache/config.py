@@ -5,7 +5,7 @@ Example (YAML)::
     data:
       cache:
         dir: /scratch/caches/photos          # or s3://bucket/caches/photos
-        mode: build                          # read | build | off
+        mode: build                          # read | build | ondemand | off
         pixels: true                         # images resized to cover their bucket, uint8
         encoder:                             # a frozen torch.nn.Module applied to the centre crop
           class_path: lit_dist.cache.encoders.VAEEncoder
@@ -16,7 +16,7 @@ Example (YAML)::
 from dataclasses import dataclass
 from typing import Literal
 
-MODES = ("read", "build", "off")
+MODES = ("read", "build", "ondemand", "off")
 DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -26,7 +26,8 @@ class CacheConfig:
 
     Args:
         dir: Cache folder, a local path or an fsspec URL (s3://bucket/cache); shared by every run of this data.
-        mode: read (fail if anything is missing), build (build what is missing at the start of fit), off.
+        mode: read (fail if anything is missing), build (build what is missing at the start of fit), ondemand
+            (make what is missing while training, read it from the next epoch on), off.
         pixels: Cache each image resized to cover its bucket (uint8); the crop still happens at load.
         encoder: A frozen torch.nn.Module as {class_path, init_args}, applied to the centre crop of each image.
         encoder_dtype: dtype the encoder outputs are stored in: bf16, fp16 or fp32.
@@ -38,7 +39,7 @@ class CacheConfig:
     """
 
     dir: str | None = None
-    mode: Literal["read", "build", "off"] = "build"
+    mode: Literal["read", "build", "ondemand", "off"] = "build"
     pixels: bool = True
     encoder: dict | None = None
     encoder_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"

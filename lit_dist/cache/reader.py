@@ -99,8 +99,8 @@ class FieldIndex:
         ok = found >= 0
         entry = np.where(ok, found, 0)
         if not len(self.shard):
-            return FieldView(self.field, dtype, [], self.store.fs.storage_options,
-                             np.full(len(found), MISSING, np.int32), *(np.zeros(len(found), np.uint32),) * 3)
+            return FieldView(self.field, dtype, [], self.store.fs.storage_options, np.full(len(found), MISSING, np.int32),
+                             *(np.zeros(len(found), np.uint32) for _ in range(3)))  # three arrays, not one thrice
         return FieldView(
             self.field, dtype, [self.store.shard_url(self.field, s["name"]) for s in self.shards],
             self.store.fs.storage_options,
@@ -149,9 +149,9 @@ class FieldView:
             self._files, self._pid, self._fs = {}, os.getpid(), None
         url = self.urls[shard]
         if "://" not in url:
-            fd = self._files.get(shard)
+            fd = self._files.get(url)  # by path: an ondemand run re-numbers the shards when it publishes new ones
             if fd is None:
-                fd = self._files[shard] = os.open(url, os.O_RDONLY)
+                fd = self._files[url] = os.open(url, os.O_RDONLY)
             data = os.pread(fd, length, offset)
             if len(data) != length:
                 raise CorruptEntry(f"{url} is shorter than its index says")

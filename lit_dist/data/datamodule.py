@@ -144,6 +144,8 @@ class BucketDataModule(LightningDataModule):
         self.resolution, self.alignment, self.max_aspect = resolution, alignment, max_aspect
         self.normalisation = (tuple(mean), tuple(std))
         self._cache_views: list[dict] | None = None  # per dataset {batch key: FieldView}, after setup
+        self._filler = None  # mode ondemand, while entries are missing: takes the new ones from batches
+        self._fill_keys: list | None = None
         self.mean = torch.tensor(mean).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std).view(1, 3, 1, 1) * 255
         self.classes: list[str] | None = None
@@ -215,10 +217,12 @@ class BucketDataModule(LightningDataModule):
             device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
             self._cache_views = self._open_cache(parts, device)
         views = self._cache_views or [None] * len(parts)
+        fills = self._fill_keys or [None] * len(parts)
         for code, split in enumerate(("train", "val", "test", "predict")):
             chosen = [np.flatnonzero(splits == code) if code < 3 else np.arange(len(meta)) for meta, _, splits in parts]
-            datasets = [self._dataset(source, meta, rows, buckets[rows], self.random_crop and split == "train", view)
-                        for source, (meta, buckets, _), rows, view in zip(self.sources, parts, chosen, views, strict=True)]
+            datasets = [self._dataset(source, meta, rows, buckets[rows], self.random_crop and split == "train", view, fill)
+                        for source, (meta, buckets, _), rows, view, fill in zip(self.sources, parts, chosen, views, fills,
+                                                                               strict=True)]
             self._splits[split] = self._combine(datasets)
         if len(self._splits["train"]) == 0 and stage == "fit":
             raise DataError(f"{', '.join(s.table_path for s in self.sources)}: no training rows "
@@ -235,7 +239,8 @@ class BucketDataModule(LightningDataModule):
         groups = np.concatenate([d.bucket_ids.astype(np.int32) + i * k for i, d in enumerate(datasets)])
         return MixedDataset(datasets, groups)
 
-    def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool, cache: dict | None = None):
+    def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool, cache: dict | None = None,
+                 fill=None):
         from lit_dist.data.dataset import BucketImageDataset
 
         # Only encoder outputs cached: batches carry them instead of images, and no image is opened.
@@ -255,6 +260,7 @@ class BucketDataModule(LightningDataModule):
             positions=rows,
             cache=cache,
             load_images=load_images,
+            fill=fill,
         )
 
     # -- cache ------------------------------------------------------------------------------
@@ -289,6 +295,8 @@ class BucketDataModule(LightningDataModule):
         when entries are missing."""
         if self.cache.mode == "build":
             plan, _ = self.build_cache(device, parts=parts)
+        elif self.cache.mode == "ondemand":
+            return self._fill_cache(self.cache_plan(parts), device)
         else:
             plan = self.cache_plan(parts)
             if not plan.store.check():
@@ -315,6 +323,25 @@ class BucketDataModule(LightningDataModule):
         source = np.repeat(np.arange(n), k)
         repeats = np.repeat([s.repeats for s in self.sources], k)
         return sizes, source, repeats
+
+    def _fill_cache(self, plan, device: torch.device) -> list[dict]:
+        """Mode ondemand: read what the cache has; what it lacks is made while training (see cache/ondemand.py)."""
+        from lit_dist.cache.build import Comm, check_encoder, prepare
+        from lit_dist.cache.ondemand import FillKeys, OnDemandFill
+
+        prepare(plan, Comm())
+        check_encoder(plan, device)
+        found, coverage = plan.match()
+        views = plan.views(found)
+        rank_zero_info("lit-dist: " + "; ".join(c.summary() for c in coverage.values())
+                       + f" in {self.cache.dir}; what is missing is cached while training (mode ondemand)")
+        if any(c.missing for c in coverage.values()):
+            self._filler = OnDemandFill(plan, views)
+            self._fill_keys = [FillKeys(need.samples, {plan.batch_key(f): need.keys[f] for f in plan.fields})
+                               for need in plan.needs]
+            if self.trainer is not None:
+                self.trainer.callbacks.append(self._filler)
+        return views
 
     # -- batches ----------------------------------------------------------------------------
 
@@ -357,7 +384,8 @@ class BucketDataModule(LightningDataModule):
             sampler=sampler,
             batch_size=None,  # the dataset returns whole batches
             num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            # Filling the cache, workers restart each epoch to carry the lookups of entries made in the last one.
+            persistent_workers=self.num_workers > 0 and self._filler is None,
             pin_memory=torch.cuda.is_available(),
         )
 
@@ -415,9 +443,13 @@ class BucketDataModule(LightningDataModule):
     def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         # Counted while the batch is still on the host: reading a count from the GPU would sync every step.
         self.monitor.count(batch)
+        if self._filler is not None:
+            self._filler.take(batch)
         return batch
 
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        if "_encode" in batch:
+            self._filler.encode(batch, self.cache.encoder_key, batch["_encode"]["input"].device)
         if self.cache is not None and self.cache.encoder_key in batch:
             # Stored and sent in data.cache.encoder_dtype (half the bytes for bf16); the model gets float32,
             # which autocast lowers again under mixed precision.

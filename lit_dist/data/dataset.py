@@ -37,6 +37,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         positions: np.ndarray | None = None,
         cache: dict | None = None,
         load_images: bool = True,
+        fill=None,
     ):
         self.url = root
         self.storage_options = storage_options or {}
@@ -57,6 +58,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         # Cached fields by batch key ("pixels" stands for `image`), each a FieldView by table position.
         self.cache = cache or {}
         self.load_images = load_images  # False when only encoder outputs are cached: no image is opened
+        self.fill = fill  # data.cache.mode ondemand: a FillKeys, which says what missing entries are written as
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
         self._logged: set[int] = set()  # bad samples already reported by this process
 
@@ -87,6 +89,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
             state.update(filenames=self.filenames.take(take), extra={k: v.take(take) for k, v in self.extra.items()},
                          labels=None if self.labels is None else self.labels[self.positions],
                          cache={k: v.take(self.positions) for k, v in self.cache.items()},
+                         fill=None if self.fill is None else self.fill.take(self.positions),
                          positions=np.arange(len(self.positions)), _members=None)
         return state
 
@@ -94,7 +97,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         epoch, indices, weight = request
         width, height = self.bucket_sizes[self.bucket_ids[indices[0]]]
         images = np.empty((len(indices), height, width, 3), dtype=np.uint8) if self.load_images else None  # (B, H, W, C)
-        cached: dict[str, list[np.ndarray]] = {}
+        arrays: dict[str, list[tuple[int, np.ndarray]]] = {}  # batch key -> (slot, array) of the samples that have it
         used = np.empty(len(indices), dtype=np.int64)
         failures = 0
         for slot, index in enumerate(indices):
@@ -103,7 +106,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
             if images is not None:
                 images[slot] = sample.pop("image")
             for key, array in sample.items():
-                cached.setdefault(key, []).append(array)
+                arrays.setdefault(key, []).append((slot, array))
         batch = {
             "row": torch.from_numpy(self.rows[used]),
             "weight": torch.full((len(indices),), weight, dtype=torch.float32),
@@ -113,9 +116,11 @@ class BucketImageDataset(torch.utils.data.Dataset):
             # Channels last, as decoded: the permute to (B, C, H, W) is a free view on the device
             # instead of a copy in the worker.
             batch["image"] = torch.from_numpy(images)  # (B, H, W, C) uint8
-        for key, arrays in cached.items():
-            batch[key] = _tensor(np.stack(arrays), self.cache[key].dtype)  # (B, ...) as stored
         at = self.positions[used]
+        if self.fill is not None:  # data.cache.mode ondemand: what this batch made for the cache
+            batch.update(self.fill.batch_parts(arrays, at, {k: v.dtype for k, v in self.cache.items()}))
+        for key, items in arrays.items():
+            batch[key] = _tensor(np.stack([a for _, a in items]), self.cache[key].dtype)  # (B, ...) as stored
         if self.labels is not None:
             batch["label"] = torch.from_numpy(self.labels[at])
         for name, column in self.extra.items():
@@ -140,12 +145,28 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
     def _sample(self, index: int, epoch: int, width: int, height: int) -> dict[str, np.ndarray]:
         position = int(self.positions[index])
-        sample = {key: view.read(position) for key, view in self.cache.items() if key != "pixels"}
-        if self.load_images:
+        sample, encode = {}, False
+        for key, view in self.cache.items():
+            if key == "pixels":
+                continue
+            if self.fill is not None and view.shard[position] < 0:
+                encode = True  # ondemand: the device encodes it, from the centre crop sent along
+            else:
+                sample[key] = view.read(position)
+        if self.load_images or encode:
             pixels = self.cache.get("pixels")
-            covering = pixels.read(position) if pixels is not None else self.covering(index, width, height)
-            sample["image"] = self._crop(covering, width, height, epoch, index)
+            if pixels is not None and not (self.fill is not None and pixels.shard[position] < 0):
+                covering = pixels.read(position)
+            else:
+                covering = self.covering(index, width, height)
+                if pixels is not None:  # ondemand: the training process writes it to the cache
+                    sample["_fill_pixels"] = (position, covering)
+            if self.load_images:
+                sample["image"] = self._crop(covering, width, height, epoch, index)
+            if encode:
+                sample["_encode_input"] = (position, centre_crop(covering, width, height))
         return sample
+
     def _next_in_bucket(self, index: int) -> int:
         if self._members is None:
             self._members = [np.flatnonzero(self.bucket_ids == b) for b in range(len(self.bucket_sizes))]

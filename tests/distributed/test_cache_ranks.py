@@ -65,3 +65,17 @@ def test_two_process_build_equals_one_process_build_and_trains(tmp_path, demo_da
                    "--model.input_key", "latent", "--model.net.init_args.in_channels", "4", "--trainer.max_steps", "6",
                    "--run.root_dir", str(tmp_path / "runs"), cwd=tmp_path, env=ENV)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_ondemand_on_two_processes_with_loader_workers_fills_the_cache(tmp_path, demo_data):
+    import re
+
+    config = write_config(tmp_path / "cfg.yaml", demo_data, tmp_path / "cache")
+    out = lit_dist("fit", "--config", config, "--data.cache.mode", "ondemand", "--trainer.devices", "2",
+                   "--trainer.strategy", "ddp", "--trainer.max_epochs", "2", "--run.root_dir", str(tmp_path / "runs"),
+                   cwd=tmp_path, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = lit_dist("cache", "--config", config, "--check", cwd=tmp_path, env=ENV)
+    cached = {f: int(n) for f, n in re.findall(r"(pixels|encoder): (\d+) of 400 cached", out.stdout)}
+    assert cached and all(n >= 350 for n in cached.values()), out.stdout  # all but samples no batch has reached yet
+    assert not list((tmp_path / "cache" / "pixels" / "pending").iterdir())

@@ -5,14 +5,14 @@ from torch import nn
 
 
 class TinyEncoder(nn.Module):
-    """A strided convolution with weights from ``seed``: (B, 3, H, W) -> (B, channels, H / 8, W / 8).
+    """A strided convolution with weights from ``seed``: (B, 3, H, W) -> (B, channels, H / scale, W / scale).
 
     ``bump`` adds to one weight: a changed encoder whose config looks otherwise the same.
     """
 
-    def __init__(self, channels: int = 4, seed: int = 0, bump: float = 0.0):
+    def __init__(self, channels: int = 4, seed: int = 0, bump: float = 0.0, scale: int = 8):
         super().__init__()
-        self.conv = nn.Conv2d(3, channels, kernel_size=8, stride=8)
+        self.conv = nn.Conv2d(3, channels, kernel_size=scale, stride=scale)
         with torch.no_grad():
             g = torch.Generator().manual_seed(seed)
             self.conv.weight.copy_(torch.randn(self.conv.weight.shape, generator=g) * 0.1)

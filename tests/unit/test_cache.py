@@ -316,3 +316,42 @@ def test_a_run_trained_from_the_cache_resumes_bitwise_and_equals_decoding(tmp_pa
                                decoded.state_dict().values(), strict=True):
         assert torch.equal(a, b), f"{name} differs after resume"
         assert torch.equal(a, c), f"{name} differs from the run that decoded its images"
+
+
+# Image-sized RGB outputs: the tests' CNN takes them as it takes images.
+THREE = {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"channels": 3, "scale": 1}}
+
+
+@pytest.mark.parametrize("fields", [{"encoder": ENCODER}, {"encoder": THREE, "pixels": False}])
+def test_ondemand_fills_the_cache_in_epoch_one_and_epoch_two_opens_no_source_image(tmp_path, demo_data, monkeypatch,
+                                                                                   fields):
+    from lightning.pytorch import Callback
+
+    from lit_dist.data.dataset import BucketImageDataset
+    from tests.unit.test_resume import run, steps_per_epoch
+
+    opened = []
+    real = BucketImageDataset.covering
+    monkeypatch.setattr(BucketImageDataset, "covering", lambda self, *a: opened.append(a) or real(self, *a))
+    per_epoch_opens = []
+
+    class CountOpens(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            per_epoch_opens.append(len(opened) - sum(per_epoch_opens))
+
+    # Batches of 1: every training sample is seen in epoch 1 (no samples wait for a later epoch).
+    steps = 2 * steps_per_epoch(demo_data, batch_size=1)
+    cache = CacheConfig(dir=str(tmp_path / "cache"), mode="ondemand", encoder_dtype="fp32", **fields)
+    key = "image" if fields.get("pixels", True) else "latent"
+    model, trainer, _ = run(tmp_path / "a", demo_data, max_steps=steps, extra=[CountOpens()], data={"cache": cache},
+                            input_key=key, batch_size=1)
+    train_rows = steps // 2
+    assert per_epoch_opens == [train_rows, 0], per_epoch_opens
+    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=1, val_fraction=0.1, cache=cache)
+    _, coverage = dm.cache_plan(dm.read()).match()
+    assert all(c.hits == train_rows for c in coverage.values())  # validation never ran here, so its rows wait
+    # What epoch 1 trained on is what the cache now serves: the same run again opens nothing, ends the same.
+    again, _, _ = run(tmp_path / "b", demo_data, max_steps=steps, data={"cache": cache}, input_key=key, batch_size=1)
+    assert len(opened) == train_rows
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

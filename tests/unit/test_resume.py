@@ -15,9 +15,9 @@ from tests.helpers.recorder import RowRecorder, StopAfterEpoch, StopAtStep
 
 
 def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True, stop_after_epoch=None,
-        dirpath=None, storage_options=None, batch_size=8, extra=(), data=None):
+        dirpath=None, storage_options=None, batch_size=8, extra=(), data=None, input_key="image"):
     seed_everything(0)
-    model = LitModel(DropoutCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    model = LitModel(DropoutCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), input_key=input_key)
     dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=batch_size, num_workers=0, val_fraction=0.1,
                           **(data or {}))
     checkpointing = Checkpointing(dirpath=dirpath or str(root / "ckpt"), every_n_epochs=None, storage_options=storage_options)

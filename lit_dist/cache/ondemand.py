@@ -1,0 +1,168 @@
+"""``data.cache.mode: ondemand``: fill the cache while training, and read it from the next epoch on.
+
+What the cache lacks is made where it is needed: pixels in the loader workers (decoded as
+without a cache, then sent along with the batch), encoder outputs on the rank's device just
+before ``forward`` (a batch with any output missing is encoded whole, rounded to the stored
+dtype, so it trains on exactly what the cache will hold). The training process hands the new
+entries to a background thread that writes shards (atomically, listed in its pending list, as a
+build does). At the start of every epoch, and at the end of training, all ranks flush, rank 0
+publishes, and every rank re-reads the index: the next epoch reads what the last one made.
+Loader workers restart every epoch in this mode (they carry the lookups of the epoch they began).
+"""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback
+
+from lit_dist.cache.build import Comm, _encode
+from lit_dist.cache.shards import ShardWriter
+from lit_dist.cache.store import new_build_id
+
+
+class FillKeys:
+    """What a loader worker needs to name the entries it makes: sample id and key per table position."""
+
+    def __init__(self, samples: np.ndarray, keys: dict[str, np.ndarray]):
+        self.samples, self.keys = samples, keys  # keys by batch key ("pixels", "latent")
+
+    def take(self, positions: np.ndarray) -> "FillKeys":
+        return FillKeys(self.samples[positions], {k: v[positions] for k, v in self.keys.items()})
+
+    def batch_parts(self, arrays: dict[str, list], at: np.ndarray, dtypes: dict[str, str]) -> dict:
+        """Move the worker's new arrays out of ``arrays`` ((slot, value) lists) into batch entries for the
+        training process: ``_fill`` (pixel entries to write) and ``_encode`` (rows the device must encode,
+        with the cached rows of the same field, which it fills in around them)."""
+        parts = {}
+        fills = arrays.pop("_fill_pixels", [])
+        if fills:
+            parts["_fill"] = [(int(self.samples[p]), int(self.keys["pixels"][p]), torch.from_numpy(np.ascontiguousarray(a)))
+                              for _, (p, a) in fills]
+        inputs = arrays.pop("_encode_input", [])
+        if inputs:
+            from lit_dist.data.dataset import _tensor
+
+            key = next(k for k in self.keys if k != "pixels")
+            positions = np.array([p for _, (p, _) in inputs])
+            cached = arrays.pop(key, [])
+            parts["_encode"] = {
+                "input": torch.from_numpy(np.stack([c for _, (_, c) in inputs])),  # (k, H, W, 3) uint8 centre crops
+                "slots": torch.tensor([slot for slot, _ in inputs]),
+                "sample": torch.from_numpy(self.samples[positions].view(np.int64)),
+                "key": torch.from_numpy(self.keys[key][positions].view(np.int64)),
+                "size": len(at),
+            }
+            if cached:
+                parts["_encode"]["cached_slots"] = torch.tensor([slot for slot, _ in cached])
+                parts["_encode"]["cached"] = _tensor(np.stack([a for _, a in cached]), dtypes[key])
+        return parts
+
+
+class OnDemandFill(Callback):
+    """Takes new entries from batches, writes them in the background, publishes them at epoch boundaries."""
+
+    def __init__(self, plan, views: list[dict]):
+        self.plan, self.views = plan, views
+        self.comm: Comm | None = None
+        self.build = new_build_id()
+        self.written: dict[str, list[dict]] = {name: [] for name in plan.fields}
+        self.writers = {name: self._writer(name) for name in plan.fields}
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-dist-cache-fill")
+        self.pending = []
+        self.seen: dict[str, set] = {name: set() for name in plan.fields}  # (sample, key) written by this rank
+        self.encoder = plan.encoder
+        self.made = 0
+
+    def _writer(self, name: str) -> ShardWriter:
+        cfg = self.plan.config
+        return ShardWriter(self.plan.dtype(name), cfg.compression, cfg.compression_level)
+
+    # -- batches (training process) ---------------------------------------------------------
+
+    def take(self, batch: dict) -> None:
+        """Before the batch moves to the device: its new pixel entries go to the writer."""
+        for sample, key, array in batch.pop("_fill", ()):
+            self._add("pixels", sample, key, array.numpy())
+
+    def encode(self, batch: dict, encoder_key: str, device: torch.device) -> None:
+        """On the device: encoder outputs of the rows the cache lacks, in the stored dtype (what the cache will
+        hold), placed among the batch's cached rows; the new ones go to the writer."""
+        from lit_dist.data.dataset import _tensor
+
+        job = batch.pop("_encode")
+        if next(self.encoder.parameters(), torch.zeros(0)).device != device:
+            self.encoder.to(device)
+        mean = torch.tensor(self.plan.mean, device=device).view(1, 3, 1, 1) * 255
+        std = torch.tensor(self.plan.std, device=device).view(1, 3, 1, 1) * 255
+        dtype = self.plan.config.encoder_dtype
+        stored = _encode(self.encoder, job["input"], mean, std, dtype)
+        for sample, key, array in zip(job["sample"].cpu().numpy().view(np.uint64), job["key"].cpu().numpy().view(np.uint64),
+                                      stored, strict=True):
+            self._add("encoder", int(sample), int(key), array)
+        made = _tensor(np.stack(stored), dtype).to(device)  # (k, ...)
+        out = torch.empty((int(job["size"]), *made.shape[1:]), dtype=made.dtype, device=device)
+        out[job["slots"]] = made
+        if "cached" in job:
+            out[job["cached_slots"]] = job["cached"]
+        batch[encoder_key] = out
+
+    def _add(self, name: str, sample: int, key: int, array: np.ndarray) -> None:
+        with self.lock:
+            if (sample, key) in self.seen[name]:  # repeats, padding batches: each entry once
+                return
+            self.seen[name].add((sample, key))
+            self.writers[name].add(sample, key, array)
+            self.made += 1
+            if self.writers[name].nbytes >= self.plan.config.shard_size_mb * 1_000_000:
+                self._submit(name)
+
+    def _submit(self, name: str) -> None:
+        writer, self.writers[name] = self.writers[name], self._writer(name)
+        if len(writer):
+            self.pending.append(self.pool.submit(self._write, name, writer))
+
+    def _write(self, name: str, writer: ShardWriter) -> None:
+        samples, raw, entries = writer.samples, writer.raw_bytes, len(writer)
+        data, index = writer.finish()
+        store = self.plan.store
+        self.written[name].append(store.write_shard(name, self.plan.fingerprints[name], data, index, raw, samples,
+                                                    entries))
+        store.record_pending(name, self.build, self.comm.rank if self.comm else 0, self.written[name])
+
+    # -- epoch boundaries (every rank) ---------------------------------------------------------
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.sync()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.sync()
+
+    def sync(self) -> None:
+        """Flush every rank's new entries, publish them (rank 0), and point the lookups at them."""
+        self.comm = self.comm or Comm()
+        with self.lock:
+            for name in self.plan.fields:
+                self._submit(name)
+        for job in self.pending:
+            job.result()
+        self.pending = []
+        made = sum(self.comm.gather(self.made))
+        if not made:
+            return
+        self.comm.barrier()
+        if self.comm.rank == 0:
+            for name in self.plan.fields:
+                self.plan.store.publish(name)
+        self.comm.barrier()
+        self.written = {name: [] for name in self.plan.fields}
+        self.made = 0
+        found, _ = self.plan.match()
+        for views, fresh in zip(self.views, self.plan.views(found), strict=True):
+            for key, view in views.items():
+                new = fresh[key]
+                view.urls = new.urls
+                for array in ("shard", "offset", "length", "crc"):
+                    getattr(view, array)[:] = getattr(new, array)
