@@ -1,8 +1,13 @@
-"""Small collectives at step boundaries: how ranks agree without one of them deciding alone.
+"""Small collectives at step boundaries: how ranks agree without one of them deciding alone; and
+``Comm``, for work split among ranks outside a step (a folder scan, ``lit-dist index`` under srun).
 
 Each is a no-op on a single process, and each must be called by every rank at the same point:
 a collective that only some ranks reach hangs the others.
 """
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 
@@ -37,3 +42,126 @@ def run_on_every_rank(trainer, function):
 
     launcher = strategy.launcher
     return launcher.launch(on_rank, trainer=trainer) if launcher is not None else on_rank()
+
+
+class Comm:
+    """Object collectives over the default process group, for work split among ranks outside a training
+    step (a folder scan); on one process every call is trivial.
+
+    torch.distributed has the collectives. What it lacks, added here: an exception on one rank reaches
+    every rank (``on_rank_zero``, ``on_every_rank``), so no rank is left waiting for one that gave up.
+    Every method is a collective: every rank calls it, in the same order.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1):
+        self.rank, self.world = rank, world
+
+    @classmethod
+    def current(cls) -> "Comm":
+        """The default process group when one of several processes exists, else a one-process Comm."""
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    def all_gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        gathered = [None] * self.world
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank (what the others pass is ignored)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def on_rank_zero(self, function, what: str):
+        """``function()`` run on rank 0, its result returned on every rank; if it raises, every rank raises."""
+        result, error = None, None
+        if self.rank == 0:
+            try:
+                result = function()
+            except Exception as exc:  # sent to the other ranks below, then raised here too
+                error = exc
+        result, described = self.broadcast((result, _describe(error)))
+        if error is not None:
+            raise error
+        if described is not None:
+            raise _raised_elsewhere(0, described, what)
+        return result
+
+    def on_every_rank(self, function, what: str) -> list:
+        """``function()`` run on every rank, the list of all results (rank order) on every rank; if it raises
+        on any rank, every rank raises."""
+        result, error = None, None
+        try:
+            result = function()
+        except Exception as exc:  # sent to the other ranks below, then raised here too
+            error = exc
+        gathered = self.all_gather((result, _describe(error)))
+        if error is not None:
+            raise error
+        failed = [(rank, described) for rank, (_, described) in enumerate(gathered) if described is not None]
+        if failed:
+            raise _raised_elsewhere(*failed[0], what)
+        return [r for r, _ in gathered]
+
+
+def _describe(error: Exception | None) -> tuple[str, str, int | None] | None:
+    """What the other ranks need to raise an equivalent error: (type, message, exit code of a user error)."""
+    if error is None:
+        return None
+    from lit_dist.errors import LitDistError
+
+    return type(error).__name__, str(error), int(error.exit_code) if isinstance(error, LitDistError) else None
+
+
+def _raised_elsewhere(rank: int, described: tuple[str, str, int | None], what: str) -> Exception:
+    """The error a rank raises when ``what`` failed on another rank: a user error keeps its exit code."""
+    from lit_dist.errors import ExitCode, LitDistError
+
+    kind, message, code = described
+    text = f"{what} failed on rank {rank}: {message if code is not None else f'{kind}: {message}'}"
+    if code is None:
+        return RuntimeError(text)
+    error = LitDistError(text)
+    error.exit_code = ExitCode(code)
+    return error
+
+
+def launcher_environment():
+    """Lightning's cluster environment of the launcher that started this process (torchrun, srun), or None
+    when it was started alone. Inside a Trainer Lightning picks it itself; commands without one ask here."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    from lit_dist.slurm import in_slurm_step
+
+    # torchrun first: started inside an srun task, its own RANK and WORLD_SIZE are the ones that count.
+    if TorchElasticEnvironment.detect():
+        return TorchElasticEnvironment()
+    if in_slurm_step():
+        return SLURMEnvironment(auto_requeue=False)
+    return None
+
+
+@contextmanager
+def launched_group(timeout_s: float = 1800) -> Iterator[Comm]:
+    """The processes that srun or torchrun started, joined in a gloo process group for the duration, as a
+    Comm; a one-process Comm when this process runs alone. Lightning builds a process group only inside
+    a Trainer, so a command without one (``lit-dist index``) joins its processes here."""
+    env = launcher_environment()
+    if env is None or env.world_size() == 1:
+        yield Comm()
+        return
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"tcp://{env.main_address}:{env.main_port}", rank=env.global_rank(),
+                            world_size=env.world_size(), timeout=timedelta(seconds=timeout_s))
+    try:
+        yield Comm.current()
+    finally:
+        dist.destroy_process_group()

@@ -1,4 +1,9 @@
-"""``lit-dist index ROOT --output meta.parquet``: preprocess an image folder into a metadata table once."""
+"""``lit-dist index ROOT --output meta.parquet``: preprocess an image folder into a metadata table once.
+
+    lit-dist index /datasets/photos --output photos.parquet
+    torchrun --nproc-per-node 8 -m lit_dist index /datasets/photos --output photos.parquet
+    srun --ntasks-per-node 8 lit-dist index s3://bucket/photos --output photos.parquet
+"""
 
 import time
 
@@ -16,23 +21,24 @@ def index(
         root: Folder of images, a local path or an fsspec URL (s3://bucket/images/).
         output: Parquet file to write, local path or URL; rerunning reuses its rows for unchanged files.
         labels_from_folders: Take each image's label from its first folder level under root.
-        workers: Parallel header readers; default: one process per core locally, 32 threads remotely.
+        workers: Parallel header readers per process; default: this node's cores shared among its processes
+            locally, 32 threads remotely.
         storage_options: fsspec options for root (e.g. {"endpoint_url": ...}); credentials come from env vars.
     """
-    import fsspec
-    import pyarrow.parquet as pq
-
-    from lit_dist.data.discovery import scan_folder, write_table_atomically
+    from lit_dist.data.discovery import read_previous_index, scan_folder, write_table_atomically
+    from lit_dist.distributed import launched_group
 
     started = time.perf_counter()
-    fs, path = fsspec.core.url_to_fs(output)
-    previous = pq.read_table(path, filesystem=fs) if fs.exists(path) else None
-    if previous is not None and not {"bytes", "mtime"} <= set(previous.column_names):
-        previous = None  # not an index written by lit-dist: rescan everything
-    table = scan_folder(root, storage_options, labels_from_folders, workers, previous)
-    write_table_atomically(table, output)
+    # Started as several processes (srun, torchrun): each reads a share of the headers, rank 0 writes.
+    with launched_group() as comm:
+        previous = read_previous_index(output) if comm.rank == 0 else None  # rows of unchanged files are reused
+        table = scan_folder(root, storage_options, labels_from_folders, workers, previous, comm=comm)
+        comm.on_rank_zero(lambda: write_table_atomically(table, output), f"writing {output}")
+    if comm.rank != 0:
+        return
     elapsed = time.perf_counter() - started
     unreadable = int((table.column("width").to_numpy() == 0).sum())
-    print(f"lit-dist index: {table.num_rows} images under {root} -> {output} in {elapsed:.1f} s "
+    processes = f" by {comm.world} processes" if comm.world > 1 else ""
+    print(f"lit-dist index: {table.num_rows} images under {root} -> {output} in {elapsed:.1f} s{processes} "
           f"({table.num_rows / max(elapsed, 1e-9):.0f} images/s); {unreadable} unreadable (kept with size 0, "
           "reported as bad rows when training)")

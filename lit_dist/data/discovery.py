@@ -5,14 +5,24 @@ pixels), which is two orders of magnitude faster than decoding every image the
 way SimpleTuner's discovery does. The result is cached as a parquet table with
 each file's size and modification time, so the next scan reads headers only
 for new or changed files; ``preserve_cache`` skips the rescan entirely.
+
+Run by several processes (every rank of a multi-process run, or ``lit-dist index`` under
+srun/torchrun), the header reads are split among them and rank 0 merges the results: the
+table is identical to the one a single process writes.
 """
 
 import hashlib
 import logging
 import os
+import socket
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from lit_dist.distributed import Comm
 
 log = logging.getLogger(__name__)
 
@@ -33,49 +43,113 @@ def scan_folder(
     workers: int | None = None,
     previous=None,
     progress: bool = True,
+    comm: "Comm | None" = None,
 ):
-    """Index every image under ``root``; returns a pyarrow table.
+    """Index every image under ``root``; returns a pyarrow table (None on the ranks of ``comm`` other than 0).
 
     Columns: ``filename`` (relative to root), ``width``, ``height`` (after EXIF
     rotation), ``label`` (the first folder level, when asked), and ``bytes`` and
     ``mtime`` used to reuse rows of ``previous`` (an earlier result) unchanged.
     Unreadable files get width and height 0, so the normal bad-row check counts them.
+
+    With a ``comm`` of several ranks this is a collective (every rank calls it): rank 0 lists the
+    folder and reuses what it can of ``previous`` (only rank 0 looks at it), each rank reads the
+    headers of every world-th file left, and rank 0 puts them back in listing order, so its table
+    is identical to a one-process scan.
     """
     import fsspec
-    import pyarrow as pa
 
+    from lit_dist.distributed import Comm
+
+    comm = comm or Comm()
     fs, base = fsspec.core.url_to_fs(root, **(storage_options or {}))
-    base = base.rstrip("/")
+    listing = None
+
+    def list_once() -> list[str]:
+        nonlocal listing
+        listing = _reuse(_list_images(fs, base.rstrip("/")), previous)
+        return [listing.names[i] for i in listing.pending]
+
+    # One listing, sent to every rank: listings taken by each rank could differ while files are being added.
+    pending = comm.on_rank_zero(list_once, f"listing the images under {root}")
+    # The ranks of one node share its cores: each starts its share of the local header readers.
+    hosts = comm.all_gather(socket.gethostname())
+    ranks_here = hosts.count(hosts[comm.rank])
+    # Rank 0's progress bar shows its share: the other ranks' shares are the same size, +-1.
+    title = "lit-dist: reading image headers" + (f" (rank 0's share of {comm.world})" if comm.world > 1 else "")
+    shares = comm.on_every_rank(
+        lambda: _read_sizes(fs, pending[comm.rank :: comm.world], workers,
+                            title if progress and comm.rank == 0 else None, ranks_here),
+        f"reading the image headers under {root}")
+    if comm.rank != 0:
+        return None
+    for i, (w, h) in zip(listing.pending, merge_shares(shares), strict=True):
+        listing.widths[i], listing.heights[i] = w, h
+    log.info("lit-dist: indexed %d images under %s (%d headers read by %d processes, %d reused)", len(listing.names),
+             root, len(pending), comm.world, len(listing.names) - len(pending))
+    return listing.table(labels_from_folders)
+
+
+def merge_shares(shares: list[list]) -> list:
+    """Undo the split ``items[rank::world]``: the items of every rank's share back in their original order."""
+    merged = [None] * sum(len(share) for share in shares)
+    for rank, share in enumerate(shares):
+        merged[rank :: len(shares)] = share
+    return merged
+
+
+@dataclass
+class _Listing:
+    """The images under a root in sorted order, with what is known of their sizes so far."""
+
+    names: list[str]  # full paths, as the filesystem takes them
+    filenames: list[str]  # relative to root: the table's filename column
+    sizes: np.ndarray  # bytes, (N,) int64
+    mtimes: np.ndarray  # (N,) float64
+    widths: np.ndarray  # (N,) int32, 0 until known
+    heights: np.ndarray  # (N,) int32
+    pending: np.ndarray  # rows whose header must be read: new, or changed since the previous index
+
+    def table(self, labels_from_folders: bool):
+        import pyarrow as pa
+
+        columns = {"filename": pa.array(self.filenames, pa.string()), "width": self.widths, "height": self.heights}
+        if labels_from_folders:
+            columns["label"] = pa.array([f.split("/", 1)[0] if "/" in f else "" for f in self.filenames], pa.string())
+        columns["bytes"] = self.sizes
+        columns["mtime"] = self.mtimes
+        return pa.table(columns)
+
+
+def _list_images(fs, base: str) -> _Listing:
     listing = fs.find(base, detail=True)
     names = sorted(n for n in listing if n.lower().endswith(IMAGE_EXTENSIONS) and not os.path.basename(n).startswith("."))
-    filenames = [n[len(base) + 1 :] for n in names]
-    sizes = np.array([int(listing[n].get("size") or 0) for n in names], dtype=np.int64)
-    mtimes = np.array([_mtime(listing[n]) for n in names], dtype=np.float64)
+    n = len(names)
+    return _Listing(
+        names=names,
+        filenames=[name[len(base) + 1 :] for name in names],
+        sizes=np.array([int(listing[name].get("size") or 0) for name in names], dtype=np.int64),
+        mtimes=np.array([_mtime(listing[name]) for name in names], dtype=np.float64),
+        widths=np.zeros(n, dtype=np.int32),
+        heights=np.zeros(n, dtype=np.int32),
+        pending=np.arange(n),
+    )
 
-    widths = np.zeros(len(names), dtype=np.int32)
-    heights = np.zeros(len(names), dtype=np.int32)
-    todo = np.ones(len(names), dtype=bool)
-    if previous is not None and len(previous):
-        known = {f: i for i, f in enumerate(previous.column("filename").to_pylist())}
-        prev_bytes = previous.column("bytes").to_numpy()
-        prev_mtime = previous.column("mtime").to_numpy()
-        prev_w, prev_h = previous.column("width").to_numpy(), previous.column("height").to_numpy()
-        for i, name in enumerate(filenames):
-            j = known.get(name)
-            if j is not None and prev_bytes[j] == sizes[i] and prev_mtime[j] == mtimes[i]:
-                widths[i], heights[i], todo[i] = prev_w[j], prev_h[j], False
-    pending = np.flatnonzero(todo)
-    if len(pending):
-        for i, (w, h) in zip(pending, _read_sizes(fs, [names[i] for i in pending], workers, progress), strict=True):
-            widths[i], heights[i] = w, h
-    columns = {"filename": pa.array(filenames, pa.string()), "width": widths, "height": heights}
-    if labels_from_folders:
-        columns["label"] = pa.array([f.split("/", 1)[0] if "/" in f else "" for f in filenames], pa.string())
-    columns["bytes"] = sizes
-    columns["mtime"] = mtimes
-    log.info("lit-dist: indexed %d images under %s (%d headers read, %d reused)", len(names), root, len(pending),
-             len(names) - len(pending))
-    return pa.table(columns)
+
+def _reuse(listing: _Listing, previous) -> _Listing:
+    """Take width and height from ``previous`` for files with the same name, byte size and mtime."""
+    if previous is None or not len(previous):
+        return listing
+    known = {f: i for i, f in enumerate(previous.column("filename").to_pylist())}
+    prev_bytes, prev_mtime = previous.column("bytes").to_numpy(), previous.column("mtime").to_numpy()
+    prev_w, prev_h = previous.column("width").to_numpy(), previous.column("height").to_numpy()
+    todo = np.ones(len(listing.names), dtype=bool)
+    for i, name in enumerate(listing.filenames):
+        j = known.get(name)
+        if j is not None and prev_bytes[j] == listing.sizes[i] and prev_mtime[j] == listing.mtimes[i]:
+            listing.widths[i], listing.heights[i], todo[i] = prev_w[j], prev_h[j], False
+    listing.pending = np.flatnonzero(todo)
+    return listing
 
 
 def _mtime(info: dict) -> float:
@@ -83,11 +157,14 @@ def _mtime(info: dict) -> float:
     return value.timestamp() if hasattr(value, "timestamp") else float(value or 0)
 
 
-def _read_sizes(fs, paths: list[str], workers: int | None, progress: bool) -> list[tuple[int, int]]:
+def _read_sizes(fs, paths: list[str], workers: int | None, progress_title: str | None = None,
+                ranks_here: int = 1) -> list[tuple[int, int]]:
+    """(width, height) of each of ``paths``, under a progress bar if it has a title; ``ranks_here``:
+    processes of the scan on this node, which share its cores."""
     from tqdm import tqdm
 
     local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    workers = workers or (os.cpu_count() or 1 if local else 32)
+    workers = workers or (max(1, (os.cpu_count() or 1) // ranks_here) if local else 32)
     # Several chunks per worker keep them all busy to the end; 16..256 paths amortise the hand-off.
     chunk = min(256, max(16, -(-len(paths) // (workers * 4))))
     chunks = [paths[i : i + chunk] for i in range(0, len(paths), chunk)]
@@ -103,7 +180,7 @@ def _read_sizes(fs, paths: list[str], workers: int | None, progress: bool) -> li
         job = _header_sizes_remote
         args = [(fs, c) for c in chunks]
     results: list[tuple[int, int]] = []
-    with tqdm(total=len(paths), desc="lit-dist: reading image headers", unit="img", disable=not progress, mininterval=1) as bar:
+    with tqdm(total=len(paths), desc=progress_title, unit="img", disable=progress_title is None, mininterval=1) as bar:
         mapped = pool.map(job, args) if pool else map(job, args)
         for sizes in mapped:
             results.extend(sizes)
@@ -210,21 +287,62 @@ def _header_sizes_remote(job) -> list[tuple[int, int]]:
 
 
 def load_or_scan(root: str, cache_path: str, storage_options: dict | None = None, labels_from_folders: bool = False,
-                 preserve_cache: bool = False, workers: int | None = None, progress: bool = True) -> str:
-    """Make sure ``cache_path`` holds the index of ``root``; returns ``cache_path``."""
+                 preserve_cache: bool = False, workers: int | None = None, progress: bool = True,
+                 comm: "Comm | None" = None) -> str:
+    """Make sure ``cache_path`` holds the index of ``root``; returns ``cache_path``.
+
+    With a ``comm`` of several ranks a collective (every rank calls it): the header reads are split
+    among the ranks, rank 0 writes the table, and every rank can read it when this returns.
+    """
+    import fsspec
+
+    from lit_dist.distributed import Comm
+
+    comm = comm or Comm()
+    cache_fs, cache_file = fsspec.core.url_to_fs(cache_path)
+    if preserve_cache:
+        # Decided together: every rank must take the same branch, and with node-local cache folders
+        # (the default ~/.cache on nodes without a shared home) some ranks may lack the file.
+        if all(comm.all_gather(cache_fs.exists(cache_file))):
+            if comm.rank == 0:
+                log.info("lit-dist: using the cached index %s as it is (preserve_cache)", cache_path)
+            return cache_path
+    previous = read_previous_index(cache_path) if comm.rank == 0 else None
+    table = scan_folder(root, storage_options, labels_from_folders, workers, previous, progress, comm)
+    publish_table(table, cache_path, comm)
+    return cache_path
+
+
+def read_previous_index(path: str):
+    """The index written at ``path`` by an earlier scan, or None: missing, unreadable, or not an index
+    (without bytes/mtime columns). Never raises, so rank 0 can call it alone before a collective: without
+    it the scan just reads every header."""
     import fsspec
     import pyarrow.parquet as pq
 
-    cache_fs, cache_file = fsspec.core.url_to_fs(cache_path)
-    previous = None
-    if cache_fs.exists(cache_file):
-        if preserve_cache:
-            log.info("lit-dist: using the cached index %s as it is (preserve_cache)", cache_path)
-            return cache_path
-        previous = pq.read_table(cache_file, filesystem=cache_fs)
-    table = scan_folder(root, storage_options, labels_from_folders, workers, previous, progress)
-    write_table_atomically(table, cache_path)
-    return cache_path
+    try:
+        fs, file = fsspec.core.url_to_fs(path)
+        if not fs.exists(file):
+            return None
+        table = pq.read_table(file, filesystem=fs)
+    except Exception as exc:  # a damaged cache costs a full rescan, not the run
+        log.warning("lit-dist: cannot read the earlier index %s (%s); reading every header again", path, exc)
+        return None
+    return table if {"filename", "width", "height", "bytes", "mtime"} <= set(table.column_names) else None
+
+
+def publish_table(table, path: str, comm: "Comm") -> None:
+    """Rank 0 writes ``table`` (the others pass None) atomically at ``path``; every rank returns once it can
+    read it there. A rank that cannot see rank 0's file (node-local storage) writes its own copy."""
+    import fsspec
+
+    comm.on_rank_zero(lambda: write_table_atomically(table, path), f"writing the index {path}")
+    fs, file = fsspec.core.url_to_fs(path)
+    missing = comm.all_gather(not fs.exists(file))
+    if any(missing):
+        table = comm.broadcast(table)
+        comm.on_every_rank(lambda: write_table_atomically(table, path) if missing[comm.rank] else None,
+                           f"writing a node-local copy of the index {path}")
 
 
 def write_table_atomically(table, path: str) -> None:
@@ -236,6 +354,7 @@ def write_table_atomically(table, path: str) -> None:
     parent = os.path.dirname(target)
     if parent:
         fs.makedirs(parent, exist_ok=True)
-    tmp = f"{target}.tmp-{os.getpid()}"
+    # Host and pid: writers on several nodes of a shared folder never share a temporary file.
+    tmp = f"{target}.tmp-{socket.gethostname()}-{os.getpid()}"
     pq.write_table(table, tmp, filesystem=fs)
     fs.mv(tmp, target)
