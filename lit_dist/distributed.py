@@ -64,6 +64,10 @@ class Comm:
             return cls(dist.get_rank(), dist.get_world_size())
         return cls()
 
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
     def all_gather(self, obj) -> list:
         """Every rank's ``obj``, in rank order, on every rank."""
         if self.world == 1:

@@ -5,7 +5,7 @@ torchrun or ``--trainer.devices N``) and at the start of ``fit`` with ``data.cac
 build``. Order of work, the same on every rank:
 
 1. rank 0 folds the shard lists of earlier, interrupted builds into the manifest and removes
-   unlisted shard files; barrier.
+   unlisted shard files; barrier. (``lit_dist.distributed.Comm`` carries the collectives.)
 2. every rank checks its share of the listed shards (sizes, and with ``verify`` their sha256)
    and that it can write; one all-gather; rank 0 drops the damaged shards; barrier.
 3. every rank reads the index, computes what is missing (the same list on every rank) and
@@ -26,78 +26,46 @@ import torch
 from lit_dist.cache.plan import CachePlan
 from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import new_build_id
-from lit_dist.errors import ConfigError, DataError, LitDistError
+from lit_dist.distributed import Comm
+from lit_dist.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-class Comm:
-    """Barrier and all-gather over the default process group; trivial on one process."""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.dist = dist if dist.is_available() and dist.is_initialized() else None
-        self.rank = self.dist.get_rank() if self.dist else 0
-        self.world = self.dist.get_world_size() if self.dist else 1
-
-    def barrier(self) -> None:
-        if self.dist:
-            self.dist.barrier()
-
-    def gather(self, obj) -> list:
-        if not self.dist:
-            return [obj]
-        out = [None] * self.world
-        self.dist.all_gather_object(out, obj)
-        return out
 
 
 def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: int, verify: bool = False,
           comm: Comm | None = None, progress: bool = True) -> dict:
     """Build what ``plan`` lacks, on every rank; returns rank 0's summary (the same dict on every rank)."""
-    comm = comm or Comm()
-    store, rank = plan.store, comm.rank
+    comm = comm or Comm.current()
     prepare(plan, comm)
     _drop_damaged(plan, comm, verify)
     found, coverage = plan.match()
     work = _work(plan, found, plan.config.encoder_batch_size or batch_size)
-    mine = work[rank :: comm.world]
     started = time.perf_counter()
-    outcome = {"rank": rank, "error": None, "samples": 0, "unreadable": 0, "bytes": 0, "raw_bytes": 0, "shards": 0}
-    try:
+
+    def build_share() -> dict:
+        outcome = {"samples": 0, "unreadable": 0, "bytes": 0, "raw_bytes": 0, "shards": 0}
         if plan.encoder is not None and work:
             _check_encoder_shapes(plan, device, sorted({tuple(plan.needs[d].sizes[rows[0]]) for d, rows, _ in work}))
-        _run(plan, mine, device, num_workers, outcome, rank, progress)
-    except Exception as exc:  # reported to every rank below, so none waits for this one
-        outcome["error"] = (type(exc).__name__, str(exc), isinstance(exc, LitDistError), getattr(exc, "exit_code", 1))
-        if not isinstance(exc, LitDistError):  # a user error is printed once, by whoever catches it; a bug's trace here
-            log.exception("lit-dist cache: rank %d failed", rank)
-    outcomes = comm.gather(outcome)
-    failed = [o for o in outcomes if o["error"]]
-    if failed:
-        first = failed[0]
-        kind, message, user_error, code = first["error"]
-        text = f"building the cache failed on rank {first['rank']}: {message if user_error else f'{kind}: {message}'}"
-        raise (DataError(text) if code == DataError.exit_code else ConfigError(text)) if user_error else RuntimeError(text)
-    if rank == 0:
-        for name in plan.fields:
-            store.publish(name)
-    comm.barrier()
-    elapsed = time.perf_counter() - started
-    total = {k: sum(o[k] for o in outcomes) for k in ("samples", "unreadable", "bytes", "raw_bytes", "shards")}
-    return {**total, "needed": sum(len(rows) for _, rows, _ in work), "seconds": elapsed, "ranks": comm.world,
-            "coverage_before": {k: v.summary() for k, v in coverage.items()}}
+        _run(plan, work[comm.rank :: comm.world], device, num_workers, outcome, comm.rank, progress)
+        return outcome
+
+    # An error on one rank reaches every rank there: none is left waiting in the publish below.
+    outcomes = comm.on_every_rank(build_share, "building the cache")
+    comm.on_rank_zero(lambda: [plan.store.publish(name) for name in plan.fields], "publishing the cache")
+    total = {k: sum(o[k] for o in outcomes) for k in outcomes[0]}
+    return {**total, "needed": sum(len(rows) for _, rows, _ in work), "seconds": time.perf_counter() - started,
+            "ranks": comm.world, "coverage_before": {k: v.summary() for k, v in coverage.items()}}
 
 
 def prepare(plan: CachePlan, comm: Comm) -> None:
     """Rank 0 creates the cache, folds in what interrupted builds finished and removes what they left unlisted."""
-    if comm.rank == 0:
+    def on_rank_zero() -> None:
         plan.store.check(create=True)
         for name in plan.fields:
             plan.store.publish(name)
             plan.store.record_config(name, plan.fingerprints[name], plan.descriptions[name])
-    comm.barrier()
+
+    comm.on_rank_zero(on_rank_zero, "preparing the cache")  # its error, if any, is raised on every rank
     plan.store.check()
 
 
@@ -111,30 +79,27 @@ def check_encoder(plan: CachePlan, device: torch.device) -> None:
 def _drop_damaged(plan: CachePlan, comm: Comm, verify: bool) -> None:
     """Every rank checks every world-th listed shard (and that it can write); rank 0 drops the damaged ones."""
     store = plan.store
-    damaged: dict[str, dict[str, str]] = defaultdict(dict)
-    for name in plan.fields:
-        for i, shard in enumerate(store.manifest(name)["shards"]):
-            if i % comm.world == comm.rank and (problem := store.shard_problem(name, shard, verify)):
-                damaged[name][shard["name"]] = f"{problem} ({shard['samples']} samples)"
-    try:
+
+    def check_share() -> dict[str, dict[str, str]]:
         store.check_writable()
-        cannot_write = None
-    except ConfigError as exc:
-        cannot_write = str(exc)
-    gathered = comm.gather((dict(damaged), cannot_write))
-    writers = [(r, w) for r, (_, w) in enumerate(gathered) if w]
-    if writers:
-        raise ConfigError(f"rank {writers[0][0]} cannot write the cache: {writers[0][1]}")
+        damaged: dict[str, dict[str, str]] = defaultdict(dict)
+        for name in plan.fields:
+            for i, shard in enumerate(store.manifest(name)["shards"]):
+                if i % comm.world == comm.rank and (problem := store.shard_problem(name, shard, verify)):
+                    damaged[name][shard["name"]] = f"{problem} ({shard['samples']} samples)"
+        return dict(damaged)
+
     merged: dict[str, dict[str, str]] = defaultdict(dict)
-    for part, _ in gathered:
+    for part in comm.on_every_rank(check_share, "checking the cache"):
         for name, shards in part.items():
             merged[name].update(shards)
-    if comm.rank == 0:
+    def drop() -> None:
         for name, shards in merged.items():
             for shard, problem in sorted(shards.items()):
                 print(f"lit-dist cache: {name} shard {shard} is damaged: {problem}; its samples are rebuilt", flush=True)
             store.publish(name, drop=set(shards))
-    comm.barrier()
+
+    comm.on_rank_zero(drop, "dropping damaged shards")
 
 
 def _work(plan: CachePlan, found: list[dict], size: int) -> list[tuple[int, np.ndarray, dict]]:

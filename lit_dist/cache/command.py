@@ -28,6 +28,14 @@ def cache(cli_class, argv: list[str]) -> int:
 
 
 def _build(trainer, data) -> int:
+    from lit_dist.distributed import Comm
+
+    comm = Comm.current()
+    if trainer.local_rank == 0:  # as Lightning runs it: the demo data, and folder scans of a single process
+        data.prepare_data()
+    comm.barrier()
+    if comm.world > 1:
+        data.index_folders()  # every rank reads a share of the headers
     plan, report = data.build_cache(trainer.strategy.root_device, verify=True)
     if trainer.global_rank == 0:
         ratio = report["raw_bytes"] / report["bytes"] if report["bytes"] else float("nan")

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback
 
-from lit_dist.cache.build import Comm, _encode
+from lit_dist.cache.build import _encode
 from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import new_build_id
+from lit_dist.distributed import Comm
 
 
 class FillKeys:
@@ -142,21 +143,19 @@ class OnDemandFill(Callback):
 
     def sync(self) -> None:
         """Flush every rank's new entries, publish them (rank 0), and point the lookups at them."""
-        self.comm = self.comm or Comm()
+        self.comm = self.comm or Comm.current()
         with self.lock:
             for name in self.plan.fields:
                 self._submit(name)
         for job in self.pending:
             job.result()
         self.pending = []
-        made = sum(self.comm.gather(self.made))
+        made = sum(self.comm.all_gather(self.made))
         if not made:
             return
-        self.comm.barrier()
-        if self.comm.rank == 0:
-            for name in self.plan.fields:
-                self.plan.store.publish(name)
-        self.comm.barrier()
+        self.comm.barrier()  # every rank's pending list is written
+        self.comm.on_rank_zero(lambda: [self.plan.store.publish(name) for name in self.plan.fields],
+                               "publishing the cache")
         self.written = {name: [] for name in self.plan.fields}
         self.made = 0
         found, _ = self.plan.match()

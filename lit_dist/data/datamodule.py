@@ -326,10 +326,11 @@ class BucketDataModule(LightningDataModule):
 
     def _fill_cache(self, plan, device: torch.device) -> list[dict]:
         """Mode ondemand: read what the cache has; what it lacks is made while training (see cache/ondemand.py)."""
-        from lit_dist.cache.build import Comm, check_encoder, prepare
+        from lit_dist.cache.build import check_encoder, prepare
         from lit_dist.cache.ondemand import FillKeys, OnDemandFill
+        from lit_dist.distributed import Comm
 
-        prepare(plan, Comm())
+        prepare(plan, Comm.current())
         check_encoder(plan, device)
         found, coverage = plan.match()
         views = plan.views(found)
