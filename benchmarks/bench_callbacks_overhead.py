@@ -16,7 +16,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from benchmarks.common import machine, run_bench
+from benchmarks.common import machine, result_line, run_bench
 
 
 class SlowHandler(BaseHTTPRequestHandler):
@@ -68,6 +68,9 @@ def main() -> None:
     print(f"  with breaker + webhooks  {med['with']:8.2f} steps/s")
     print(f"  without                  {med['without']:8.2f} steps/s")
     print(f"ratio: {ratio:.3f}  (target >= 0.99) {'OK' if ratio >= 0.99 else 'MISSED'}")
+    result_line("callbacks_overhead", round(ratio, 4), ">= 0.99", ratio >= 0.99,
+                with_steps_per_s=round(med["with"], 2), without_steps_per_s=round(med["without"], 2),
+                steps=args.steps, repeats=args.repeats)
 
 
 if __name__ == "__main__":

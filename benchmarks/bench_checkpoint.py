@@ -21,7 +21,7 @@ import time
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from benchmarks.common import InMemoryData, machine
+from benchmarks.common import InMemoryData, machine, result_line
 from benchmarks.models import MLPClassifier
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt.store import STATE
@@ -113,6 +113,11 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     print(f"async stall / sync stall = {result['stall_ratio']:.3f} (target <= 0.2); "
           f"sync save / bare torch.save throughput = {result['throughput_ratio']:.2f} (aim >= 0.8)")
+    result_line("checkpoint", result["stall_ratio"], "<= 0.2", result["stall_ratio"] <= 0.2,
+                throughput_ratio=result["throughput_ratio"], throughput_target=">= 0.8",
+                throughput_met=result["throughput_ratio"] >= 0.8,
+                **{k: result[k] for k in ("state_mb", "sync_stall_s", "async_stall_s", "sync_mb_per_s",
+                                          "bare_torch_save_mb_per_s")})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.common import machine, run_bench
+from benchmarks.common import machine, result_line, run_bench
 
 
 def main() -> None:
@@ -41,6 +41,9 @@ def main() -> None:
     for name, value in med.items():
         print(f"  {name:9s} steps/s {value:8.2f}")
     print(f"ratio (lit-dist / torchrun): {ratio:.3f}  (target >= 0.95) {'OK' if ratio >= 0.95 else 'MISSED'}")
+    result_line("ddp", round(ratio, 4), ">= 0.95", ratio >= 0.95,
+                lit_dist_steps_per_s=round(med["lit-dist"], 2), torchrun_steps_per_s=round(med["torchrun"], 2),
+                steps=args.steps, repeats=args.repeats)
 
 
 if __name__ == "__main__":

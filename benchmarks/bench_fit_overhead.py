@@ -14,7 +14,7 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.common import machine, run_bench
+from benchmarks.common import machine, result_line, run_bench
 
 
 def main() -> None:
@@ -45,6 +45,13 @@ def main() -> None:
     start = med["lit-dist"]["to_first_step_s"] / med["plain"]["to_first_step_s"]
     print(f"steps/s ratio (lit-dist / plain):         {speed:.3f}  (target >= 0.97) {'OK' if speed >= 0.97 else 'MISSED'}")
     print(f"time-to-first-step ratio (lit-dist/plain): {start:.3f}  (target <= 1.25) {'OK' if start <= 1.25 else 'MISSED'}")
+    result_line("fit_overhead", round(speed, 4), ">= 0.97", speed >= 0.97,
+                first_step_ratio=round(start, 4), first_step_target="<= 1.25", first_step_met=start <= 1.25,
+                lit_dist_steps_per_s=round(med["lit-dist"]["steps_per_s"], 2),
+                plain_steps_per_s=round(med["plain"]["steps_per_s"], 2),
+                lit_dist_to_first_step_s=round(med["lit-dist"]["to_first_step_s"], 3),
+                plain_to_first_step_s=round(med["plain"]["to_first_step_s"], 3),
+                steps=args.steps, repeats=args.repeats)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import os
 import sys
 import tempfile
 
-from benchmarks.common import machine, run_bench
+from benchmarks.common import machine, result_line, run_bench
 
 
 def run(strategy: list[str], root: str) -> dict:
@@ -35,6 +35,9 @@ def main() -> None:
               f"optimizer {r['optimizer'] / mib:7.1f} MiB  total {r['total'] / mib:7.1f} MiB")
     ratio = fsdp2["total"] / ddp["total"]
     print(f"ratio FSDP2 / DDP: {ratio:.2f}  (target <= 0.6) {'OK' if ratio <= 0.6 else 'MISSED'}")
+    result_line("fsdp2_memory", round(ratio, 4), "<= 0.6", ratio <= 0.6,
+                ddp_total_mib=round(ddp["total"] / mib, 1), fsdp2_total_mib=round(fsdp2["total"] / mib, 1),
+                num_params=ddp["num_params"])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import tempfile
 import time
 from multiprocessing import get_context
 
-from benchmarks.common import machine
+from benchmarks.common import machine, result_line
 
 RESOLUTION = 256
 
@@ -94,6 +94,9 @@ def main() -> None:
     for name, value in best.items():
         print(f"  {name:16s} {value:8.0f} images/s")
     print(f"ratio: {ratio:.2f}  (target >= 0.9) {'OK' if ratio >= 0.9 else 'MISSED'}")
+    result_line("loader", round(ratio, 3), ">= 0.9", ratio >= 0.9,
+                lit_dist_images_per_s=round(best["lit-dist loader"], 1),
+                bare_pillow_images_per_s=round(best["bare Pillow"], 1), images=images, workers=args.workers)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import machine, run_bench
+from benchmarks.common import machine, result_line, run_bench
 from benchmarks.models import MLPClassifier
 
 GPU_PRESETS = ["ddp", "fsdp", "fsdp2", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload",
@@ -68,14 +68,20 @@ def main() -> None:
           f"{args.batch} per device; {args.steps} timed steps after {args.warmup}\n")
     memory = "peak CUDA memory per GPU" if cuda else "peak resident memory per process"
     print(f"| preset | samples/s | {memory} |\n|---|---|---|")
+    rows = {}
     with tempfile.TemporaryDirectory(prefix="lit-dist-bench-") as root:
         for preset in args.presets:
             r = run(preset, args, root)
             if "error" in r:
                 print(f"| `{preset}.yaml` | failed: {r['error'][:200]} | |", flush=True)
+                rows[preset] = {"error": r["error"][:200]}
                 continue
             samples = r["steps_per_s"] * args.batch * args.devices
             print(f"| `{preset}.yaml` | {samples:,.0f} | {r['peak_bytes'] / 2**30:.1f} GiB |", flush=True)
+            rows[preset] = {"samples_per_s": round(samples, 1), "peak_bytes": r["peak_bytes"]}
+    # No ratio: a table of absolute figures per preset, with no baseline or target to compare them to.
+    result_line("strategies", None, None, None, presets=rows, devices=args.devices, cuda=cuda,
+                num_params=params, batch_per_device=args.batch)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Pieces shared by the benchmarks: in-memory data, a step timer, the machine description."""
+"""Pieces shared by the benchmarks: in-memory data, a step timer, the machine description, the result line."""
 
 import json
 import os
@@ -130,3 +130,13 @@ class StateMemory(Callback):
         if trainer.is_global_zero:
             params = sum(p.numel() for p in pl_module.parameters())  # a DTensor's numel is the global one
             print("BENCH " + json.dumps({**self.peak, "num_params": params}), flush=True)
+
+
+def result_line(benchmark: str, ratio, target, met, **extra) -> None:
+    """Print the line every benchmark ends its output with: one JSON object, flushed.
+
+    ``{"benchmark": ..., "ratio": ..., "target": ..., "met": ..., **extra}``: the primary ratio, its
+    target (a number, or a short string such as ``"<= 0.2"``), whether it was met, then any other
+    figures. Call it last, after every other print.
+    """
+    print(json.dumps({"benchmark": benchmark, "ratio": ratio, "target": target, "met": met, **extra}), flush=True)

@@ -88,6 +88,8 @@ class VAEEncoder(nn.Module):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 self.vae = AutoencoderKL(**config)
+        # Encoding needs the encoder half only; the decoder would double the memory and the weights hashed.
+        self.vae.decoder, self.vae.post_quant_conv = None, None
         self.output, self.seed = output, seed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) in [-1, 1]

@@ -87,8 +87,10 @@ class CachePlan:
 
     def views(self, found: list[dict]) -> list[dict]:
         """Per dataset, {batch key: FieldView} for the loader."""
-        return [{self.batch_key(name): self.indexes[name].view(entries, self.dtype(name)) for name, entries in f.items()}
-                for f in found]
+        views = [{self.batch_key(name): self.indexes[name].view(entries, self.dtype(name)) for name, entries in f.items()}
+                 for f in found]
+        self.indexes = {}  # the sorted index (about 50 bytes per entry) is not kept: the views are what a run reads
+        return views
 
     def describe_other(self, name: str, fingerprints: tuple) -> str:
         """How the configurations behind stale entries differ from today's, in a few words."""

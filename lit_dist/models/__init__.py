@@ -1,5 +1,6 @@
 """Small reference networks. Any ``torch.nn.Module`` can be named in the YAML instead."""
 
 from lit_dist.models.cnn import ConvStage, SimpleCNN
+from lit_dist.models.encoded import EncodedNet
 
-__all__ = ["ConvStage", "SimpleCNN"]
+__all__ = ["ConvStage", "EncodedNet", "SimpleCNN"]

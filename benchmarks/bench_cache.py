@@ -1,0 +1,306 @@
+"""Caches, measured against what they replace, each in the same run:
+
+1. loader: samples/s of the train loader reading a pixel cache vs decoding the source JPEGs
+   (about 1 MP each, into ~256^2 buckets, the same loader workers). Target >= 8x.
+2. build: `lit-dist cache` samples/s on 2 processes vs 1 (decoding in each rank's own process,
+   so a rank is one core here, as a GPU rank has its own cores). Target >= 1.7x.
+3. latent: steps/s of configs/latent_quickstart.yaml (CNN on cached VAE latents) vs the same
+   frozen VAE encoding every step (configs/latent_on_the_fly.yaml), 15 epochs each, with the
+   validation accuracy both reach (and, for scale, how far another seed alone moves it).
+   Target >= 3x, accuracy within 1 point.
+4. compression: zstd (per sample, as the cache stores it) vs gzip (Python's gzip.compress at its
+   default level 9, per sample) on the same cached pixels and latents. Target: zstd's ratio at
+   least gzip's, decompression >= 3x faster.
+5. S3: requests to read one sample from a shard on the local S3 server. Target 1.
+6. memory: bytes a run keeps per sample for a pixel + encoder cache, from a synthetic cache of
+   1 M entries (index files only). Target <= 32.
+
+    .venv/bin/python -m benchmarks.bench_cache [--images 600] [--workers 2] [--epochs 15] [--skip-latent]
+"""
+
+import argparse
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.common import ROOT, machine, result_line
+
+RESOLUTION = 256
+
+
+def make_photos(root: str, count: int) -> str:
+    """``count`` JPEGs of about 1 MP with photo-like content (smooth light, texture, edges); returns the table."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    os.makedirs(root, exist_ok=True)
+    rows = {"filename": [], "width": [], "height": [], "label": [], "bytes": [], "mtime": []}
+    for i in range(count):
+        w, h = [(1152, 864), (864, 1152), (1024, 1024)][i % 3]
+        low = rng.random((h // 64 + 2, w // 64 + 2, 3)) * 255  # smooth light: a coarse grid, upsampled
+        img = np.asarray(Image.fromarray(low.astype(np.uint8)).resize((w, h), Image.BICUBIC), dtype=np.int16)
+        img += rng.normal(0, 12, (h, w, 1)).astype(np.int16)  # sensor-like texture
+        y, x = rng.integers(0, h // 2), rng.integers(0, w // 2)
+        img[y : y + h // 3, x : x + w // 3] = rng.integers(0, 256, 3)  # an object with hard edges
+        name = f"{i:05d}.jpg"
+        path = os.path.join(root, name)
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(path, quality=90)
+        stat = os.stat(path)
+        for key, value in (("filename", name), ("width", w), ("height", h), ("label", i % 4), ("bytes", stat.st_size),
+                           ("mtime", stat.st_mtime)):
+            rows[key].append(value)
+    path = os.path.join(root, "meta.parquet")
+    pq.write_table(pa.table(rows), path)
+    return path
+
+
+def loader_rate(dm, epochs: int = 3) -> float:
+    """Best samples/s over ``epochs`` full passes of the train loader (the first starts its workers)."""
+    best = 0.0
+    loader = dm.train_dataloader()
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        started = time.perf_counter()
+        seen = sum(len(b["image"]) for b in loader)
+        best = max(best, seen / (time.perf_counter() - started))
+    return best
+
+
+def bench_loader(table: str, cache_dir: str, workers: int) -> dict:
+    from lit_dist.cache.config import CacheConfig
+    from lit_dist.data.datamodule import BucketDataModule
+
+    def module(cache):
+        dm = BucketDataModule(table, resolution=RESOLUTION, batch_size_per_device=16, num_workers=workers, val_fraction=0,
+                              allow_oversubscription=True, cache=cache)
+        dm.setup("fit")
+        return dm
+
+    decoding = loader_rate(module(None))
+    started = time.perf_counter()
+    module(CacheConfig(dir=cache_dir, mode="build"))  # built in this process (cores: its loader workers)
+    built = time.perf_counter() - started
+    cached = loader_rate(module(CacheConfig(dir=cache_dir, mode="read")))
+    return {"decode_samples_per_s": decoding, "cache_samples_per_s": cached, "ratio": cached / decoding,
+            "build_in_process_s": built}
+
+
+def bench_build(table: str, tmp: str) -> dict:
+    import yaml
+
+    config = os.path.join(tmp, "build.yaml")
+    with open(config, "w") as f:
+        yaml.safe_dump({"trainer": {"accelerator": "cpu"},
+                        "model": {"net": {"class_path": "lit_dist.models.SimpleCNN"}},
+                        "data": {"metadata": table, "resolution": RESOLUTION, "num_workers": 0,
+                                 "allow_oversubscription": True, "cache": {"dir": "", "mode": "build"}}}, f)
+    rates = {}
+    for ranks in (1, 2, 1, 2):  # interleaved: the better of two runs each
+        extra = ["--trainer.devices", "2", "--trainer.strategy", "ddp"] if ranks == 2 else []
+        out = subprocess.run([sys.executable, "-m", "lit_dist", "cache", "--config", config, "--data.cache.dir",
+                              os.path.join(tmp, f"build-{ranks}-{time.monotonic_ns()}"), *extra],
+                             cwd=ROOT, capture_output=True, text=True)
+        found = re.search(r"built (\d+) samples on (\d+) ranks in [\d.]+ s \((\d+) samples/s\)", out.stdout)
+        if out.returncode or not found:
+            raise RuntimeError(f"lit-dist cache failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        rates[ranks] = max(rates.get(ranks, 0), float(found.group(3)))
+    return {"one_process_samples_per_s": rates[1], "two_processes_samples_per_s": rates[2], "ratio": rates[2] / rates[1]}
+
+
+def bench_latent(tmp: str, epochs: int) -> dict:
+    """The shipped latent config from its cache (bf16 latents; fp32 latents; bf16 with another seed, for the
+    spread a run-to-run difference alone gives) vs the same frozen VAE encoding every step."""
+    from lit_dist.data.demo import create_shapes_dataset
+
+    table = os.path.join(tmp, "shapes", "metadata.parquet")
+    create_shapes_dataset(table, num_images=3000, seed=0)
+    cache = os.path.join(tmp, "latent-cache")
+    base = ["--config", "configs/latent_quickstart.yaml", "--data.metadata", table, "--data.cache.dir", cache]
+    subprocess.run([sys.executable, "-m", "lit_dist", "cache", *base], cwd=ROOT, check=True, capture_output=True)
+    common = ["--trainer.max_epochs", str(epochs), "--trainer.enable_progress_bar", "false",
+              "--trainer.callbacks+=benchmarks.common.StepTimer", "--run.root_dir", os.path.join(tmp, "runs")]
+    runs = (("cache", []), ("cache_fp32", ["--data.cache.encoder_dtype", "fp32", "--data.cache.dir", cache + "-fp32"]),
+            ("cache_seed1", ["--seed_everything", "1"]), ("on_the_fly", ["--config", "configs/latent_on_the_fly.yaml"]))
+    results = {}
+    for name, extra in runs:
+        started = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "lit_dist", "fit", *base, *extra, *common], cwd=ROOT,
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
+        bench = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("BENCH "))[6:])
+        acc = float(re.search(r"val/acc ([\d.]+)", out.stdout).group(1))
+        results[name] = {"steps_per_s": bench["steps_per_s"], "val_acc": acc, "wall_s": time.perf_counter() - started}
+    points = {name: 100 * (results[name]["val_acc"] - results["on_the_fly"]["val_acc"]) for name in results}
+    return {**results, "ratio": results["cache"]["steps_per_s"] / results["on_the_fly"]["steps_per_s"],
+            "acc_points": points["cache"], "acc_points_fp32": points["cache_fp32"],
+            "seed_spread_points": 100 * abs(results["cache"]["val_acc"] - results["cache_seed1"]["val_acc"])}
+
+
+def entries(cache_dir: str, field: str, limit: int) -> list[bytes]:
+    """The raw arrays (as stored, before compression) of up to ``limit`` entries of a cache field."""
+    from lit_dist.cache.reader import FieldIndex
+    from lit_dist.cache.shards import decode
+    from lit_dist.cache.store import CacheStore
+
+    store = CacheStore(cache_dir)
+    shards = store.manifest(field)["shards"]
+    index = FieldIndex(store, field, shards)
+    out = []
+    dtype = "uint8" if field == "pixels" else "bf16"
+    for i in range(min(limit, len(index.sample))):
+        with open(store.shard_url(field, shards[index.shard[i]]["name"]), "rb") as f:
+            f.seek(int(index.offset[i]))
+            out.append(decode(f.read(int(index.length[i])), int(index.crc[i]), dtype).tobytes())
+    return out
+
+
+def bench_compression(payloads: list[bytes], level: int = 3) -> dict:
+    import pyarrow as pa
+
+    zstd = pa.Codec("zstd", compression_level=level)
+    raw = sum(len(p) for p in payloads)
+    z = [zstd.compress(p, asbytes=True) for p in payloads]
+    g = [gzip.compress(p) for p in payloads]  # Python's default level, 9
+    timings = {}
+    for name, blobs, unpack in (("zstd", z, lambda b, n: zstd.decompress(b, decompressed_size=n, asbytes=True)),
+                                ("gzip", g, lambda b, n: gzip.decompress(b))):
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            for blob, p in zip(blobs, payloads, strict=True):
+                unpack(blob, len(p))
+            best = min(best, time.perf_counter() - started)
+        timings[name] = best
+    return {"zstd_ratio": raw / sum(map(len, z)), "gzip_ratio": raw / sum(map(len, g)),
+            "zstd_decompress_MBps": raw / timings["zstd"] / 1e6, "gzip_decompress_MBps": raw / timings["gzip"] / 1e6,
+            "decompress_speedup": timings["gzip"] / timings["zstd"]}
+
+
+def bench_s3(table: str, tmp: str) -> dict:
+    """Requests sent to read one sample of a cache on a local S3 server (moto, as the tests use)."""
+    import socket
+
+    import requests
+
+    from lit_dist.cache.config import CacheConfig
+    from lit_dist.data.datamodule import BucketDataModule
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                requests.get(endpoint, timeout=1)
+                break
+            except requests.ConnectionError:
+                time.sleep(0.1)
+        for key, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
+                           ("AWS_DEFAULT_REGION", "us-east-1")):
+            os.environ.setdefault(key, value)
+        options = {"client_kwargs": {"endpoint_url": endpoint}}
+        import s3fs
+
+        s3fs.S3FileSystem(**options).mkdir("bench-cache")
+        cache = CacheConfig(dir="s3://bench-cache/c", mode="build")
+        dm = BucketDataModule(table, resolution=RESOLUTION, batch_size_per_device=16, num_workers=0, val_fraction=0,
+                              allow_oversubscription=True, storage_options=options, cache=cache)
+        dm.setup("fit")
+        view = dm._cache_views[0]["pixels"]
+        view.read(0)  # opens the filesystem
+        sent = []
+        view._fs.s3.meta.events.register("before-send.s3", lambda request, **_: sent.append(request))
+        started = time.perf_counter()
+        for position in range(1, 21):
+            view.read(position)
+        seconds = (time.perf_counter() - started) / 20
+        ranged = all(r.method == "GET" and "Range" in r.headers for r in sent)
+        return {"requests_per_sample": len(sent) / 20, "all_ranged_gets": ranged, "ms_per_sample": seconds * 1000}
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def bench_memory(tmp: str, samples: int = 1_000_000) -> dict:
+    """Bytes per sample a run keeps for a pixel + encoder cache: a fresh process sets up the same table with and
+    without a synthetic cache (index files whose keys match every row; no shard data is read)."""
+    script = os.path.join(ROOT, "benchmarks", "_cache_memory.py")
+    out = subprocess.run([sys.executable, script, tmp, str(samples)], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=600)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--skip-latent", action="store_true", help="skip the latent runs (about 5 minutes)")
+    args = parser.parse_args()
+    tmp = tempfile.mkdtemp(prefix="lit-dist-bench-cache-")
+    table = make_photos(os.path.join(tmp, "photos"), args.images)
+    loader = bench_loader(table, os.path.join(tmp, "pixels"), args.workers)
+    print(f"machine: {machine()}")
+    print(f"1. loader, {args.images} JPEGs of ~1 MP -> ~{RESOLUTION}^2 buckets, {args.workers} workers, best of 3 epochs:"
+          f" decoding {loader['decode_samples_per_s']:.0f} samples/s, pixel cache {loader['cache_samples_per_s']:.0f} "
+          f"samples/s: {loader['ratio']:.1f}x (target >= 8)")
+    build = bench_build(table, tmp)
+    print(f"2. build, lit-dist cache, decoding in each rank: 1 process {build['one_process_samples_per_s']:.0f} samples/s, "
+          f"2 processes {build['two_processes_samples_per_s']:.0f}: {build['ratio']:.2f}x (target >= 1.7)")
+    latent = None
+    if not args.skip_latent:
+        latent = bench_latent(tmp, args.epochs)
+        print(f"3. latent, {args.epochs} epochs: cache {latent['cache']['steps_per_s']:.1f} steps/s "
+              f"(val/acc {latent['cache']['val_acc']:.4f}), on the fly {latent['on_the_fly']['steps_per_s']:.1f} "
+              f"steps/s (val/acc {latent['on_the_fly']['val_acc']:.4f}): {latent['ratio']:.1f}x (target >= 3); "
+              f"accuracy vs on the fly: bf16 cache {latent['acc_points']:+.2f} points, fp32 cache "
+              f"{latent['acc_points_fp32']:+.2f} (target within 1); the same cached run with another seed moves "
+              f"{latent['seed_spread_points']:.2f} points")
+    pixels = bench_compression(entries(os.path.join(tmp, "pixels"), "pixels", 200))
+    results = {"pixels": pixels}
+    latent_cache = os.path.join(tmp, "latent-cache")
+    if os.path.exists(latent_cache):
+        results["latents"] = bench_compression(entries(latent_cache, "encoder", 2000))
+    for name, r in results.items():
+        print(f"4. compression, {name}: zstd {r['zstd_ratio']:.2f}x at {r['zstd_decompress_MBps']:.0f} MB/s, gzip "
+              f"{r['gzip_ratio']:.2f}x at {r['gzip_decompress_MBps']:.0f} MB/s: decompression {r['decompress_speedup']:.1f}x "
+              "faster (targets: ratio >= gzip's, >= 3x)")
+    s3 = bench_s3(table, tmp)
+    print(f"5. S3: {s3['requests_per_sample']:.2f} requests per sample read (ranged GETs: {s3['all_ranged_gets']}), "
+          f"{s3['ms_per_sample']:.1f} ms each on the local server (target 1)")
+    memory = bench_memory(tmp)
+    print(f"6. memory: {memory['bytes_per_sample']:.1f} bytes per further sample kept by a run with a pixel + encoder "
+          f"cache (numpy and Arrow buffers, {memory['samples'] // 4} to {memory['samples']} samples; the lookups alone "
+          f"{memory['view_bytes_per_sample']:.0f}; resident memory grows {memory['rss_bytes_per_sample']:.0f}, allocator "
+          "pools included) (target <= 32)")
+    checks = {
+        "loader": loader["ratio"] >= 8,
+        "build": build["ratio"] >= 1.7,
+        "latent": latent is None or (latent["ratio"] >= 3 and abs(latent["acc_points"]) <= 1),
+        "compression": all(r["zstd_ratio"] >= r["gzip_ratio"] and r["decompress_speedup"] >= 3 for r in results.values()),
+        "s3": s3["requests_per_sample"] == 1 and s3["all_ranged_gets"],
+        "memory": memory["bytes_per_sample"] <= 32,
+    }
+    result_line("cache", round(loader["ratio"], 2), ">= 8", all(checks.values()), checks=checks,
+                build_ratio=round(build["ratio"], 2), latent_ratio=None if latent is None else round(latent["ratio"], 2),
+                latent_acc_points=None if latent is None else round(latent["acc_points"], 2),
+                compression={k: {m: round(v, 2) for m, v in r.items()} for k, r in results.items()},
+                s3_requests_per_sample=s3["requests_per_sample"], bytes_per_sample=round(memory["bytes_per_sample"], 1),
+                machine=machine())
+
+if __name__ == "__main__":
+    main()
