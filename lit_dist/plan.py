@@ -120,4 +120,31 @@ def _plan_data(data, world: int, accumulate: int, trainer, lines: list[str]) -> 
     problems = [(ExitCode.DATA_ERROR, p) for p in bucket_problems]
     if batches == 0 and not problems:
         problems.append((ExitCode.DATA_ERROR, "an epoch would have zero training batches"))
+    if data.cache is not None:
+        try:
+            problems += _plan_cache(data, parts, lines)
+        except LitDistError as err:
+            problems.append((err.exit_code, str(err)))
+    return problems
+
+
+def _plan_cache(data, parts: list, lines: list[str]) -> list[tuple[ExitCode, str]]:
+    """The cache's coverage of this run, its size and compression; a problem when mode read would fail."""
+    cache = data.cache
+    plan = data.cache_plan(parts)
+    if not plan.store.check():
+        lines.append(f"cache               none yet at {cache.dir} (mode {cache.mode}); `lit-dist cache --config ...` "
+                     "builds it on every rank")
+        return [(ExitCode.DATA_ERROR, f"data.cache.mode is read and {cache.dir} holds no cache")] if cache.mode == "read" else []
+    _, coverage = plan.match()
+    lines.append(f"cache               {cache.dir} (mode {cache.mode}, {cache.compression})")
+    problems = []
+    for name, c in coverage.items():
+        shards = plan.store.manifest(name)["shards"]
+        stored, raw = sum(s["bytes"] for s in shards), sum(s["raw_bytes"] for s in shards)
+        ratio = f", compression {raw / stored:.2f}x" if stored else ""
+        lines.append(f"                    {c.summary()}; {len(shards)} shards, {stored / 1e6:.1f} MB{ratio}")
+        if c.missing and cache.mode == "read":
+            problems.append((ExitCode.DATA_ERROR, f"data.cache.mode is read and {c.field} lacks {c.missing} entries: "
+                                                  "run `lit-dist cache --config <this config>` first"))
     return problems

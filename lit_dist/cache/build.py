@@ -141,7 +141,8 @@ def _check_encoder_shapes(plan: CachePlan, device: torch.device, sizes: list[tup
 
 
 class _Decode(torch.utils.data.Dataset):
-    """Loader-worker side of a build: batch j decoded and resized to cover its bucket (None where unreadable)."""
+    """Loader-worker side of a build: the rows of batch j that need their image (pixels or encoder lacking),
+    decoded and resized to cover the bucket; and which rows could not be decoded."""
 
     def __init__(self, plan: CachePlan, work: list):
         self.images = [need.images for need in plan.needs]
@@ -154,44 +155,95 @@ class _Decode(torch.utils.data.Dataset):
     def __getitem__(self, j: int):
         d, rows, lacking = self.work[j]
         w, h = (int(v) for v in self.sizes[d][rows[0]])
-        images = []
-        for row in rows:
+        wanted = lacking.get("pixels", False) | lacking.get("encoder", False)  # captions need no image
+        images, unreadable = [None] * len(rows), np.zeros(len(rows), dtype=bool)
+        for i in np.flatnonzero(wanted):
             try:
-                images.append(self.images[d].covering(int(row), w, h))
+                images[i] = self.images[d].covering(int(rows[i]), w, h)
             except Exception as exc:  # unreadable source: recorded as such, replaced at load like any bad image
-                log.warning("lit-dist cache: cannot read %s (%s)", self.images[d]._path(int(row)), exc)
-                images.append(None)
-        return d, rows, lacking, (w, h), images
+                log.warning("lit-dist cache: cannot read %s (%s)", self.images[d]._path(int(rows[i])), exc)
+                unreadable[i] = True
+        return d, rows, lacking, (w, h), images, unreadable
+
+
+class _Builder:
+    """One rank's writers: entries in, shards out (atomic, then named in the rank's pending list)."""
+
+    def __init__(self, plan: CachePlan, device: torch.device, outcome: dict, rank: int):
+        self.plan, self.device, self.outcome, self.rank = plan, device, outcome, rank
+        self.build = new_build_id()
+        self.written: dict[str, list[dict]] = {name: [] for name in plan.fields}
+        self.writers = {name: self._writer(name) for name in plan.fields}
+        self.mean = torch.tensor(plan.mean, device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(plan.std, device=device).view(1, 3, 1, 1) * 255
+        self.encoder = plan.encoder.to(device) if plan.encoder is not None else None
+        self.captioner = plan.caption_encoder.to(device) if plan.caption_encoder is not None else None
+        self.caption_shape = None
+
+    def _writer(self, name: str) -> ShardWriter:
+        return ShardWriter(self.plan.dtype(name), self.plan.config.compression, self.plan.config.compression_level)
+
+    def add(self, d: int, rows: np.ndarray, lacking: dict, size: tuple[int, int], images: list, unreadable) -> None:
+        from lit_dist.data.dataset import centre_crop
+
+        need, dtype = self.plan.needs[d], self.plan.config.encoder_dtype
+        made = {name: [None] * len(rows) for name in lacking}  # None: a source that cannot be decoded
+        if "pixels" in lacking:
+            made["pixels"] = images
+        todo = [i for i in np.flatnonzero(lacking.get("encoder", [])) if not unreadable[i]]
+        if todo:
+            crops = torch.from_numpy(np.stack([centre_crop(images[i], *size) for i in todo])).to(self.device)
+            for i, array in zip(todo, _encode(self.encoder, crops, self.mean, self.std, dtype), strict=True):
+                made["encoder"][i] = array
+        todo = np.flatnonzero(lacking.get("caption_encoder", []))
+        if len(todo):
+            for i, array in zip(todo, self._captions([need.captions[int(rows[i])].as_py() or "" for i in todo]),
+                                strict=True):
+                made["caption_encoder"][i] = array
+        for name, arrays in made.items():
+            for i in np.flatnonzero(lacking[name]):
+                self.writers[name].add(int(need.samples[rows[i]]), int(need.keys[name][rows[i]]), arrays[i])
+            if self.writers[name].nbytes >= self.plan.config.shard_size_mb * 1_000_000:
+                self.flush(name)
+        self.outcome["unreadable"] += int(unreadable.sum())
+        self.outcome["samples"] += len(rows) - int(unreadable.sum())
+
+    def _captions(self, texts: list[str]) -> list[np.ndarray]:
+        """Caption encoder outputs in the stored dtype; every batch must give the same shape per caption."""
+        with torch.inference_mode():
+            out = self.captioner(texts)
+        if not isinstance(out, torch.Tensor) or out.ndim < 1 or out.shape[0] != len(texts):
+            raise ConfigError(f"data.cache.caption_encoder ({self.plan.config.caption_encoder['class_path']}) returned "
+                              f"{type(out).__name__} {getattr(out, 'shape', '')} for {len(texts)} captions: it must "
+                              "return a tensor (B, ...)")
+        if self.caption_shape is None:
+            self.caption_shape = tuple(out.shape[1:])
+        elif tuple(out.shape[1:]) != self.caption_shape:
+            raise ConfigError(f"data.cache.caption_encoder returned {tuple(out.shape[1:])} per caption after "
+                              f"{self.caption_shape}: pad or pool to one shape (e.g. a fixed token count)")
+        return _stored(out, self.plan.config.encoder_dtype)
+
+    def flush(self, name: str) -> None:
+        writer = self.writers[name]
+        if not len(writer):
+            return
+        samples, raw = writer.samples, writer.raw_bytes
+        data, index = writer.finish()
+        store = self.plan.store
+        self.written[name].append(store.write_shard(name, self.plan.fingerprints[name], data, index, raw, samples,
+                                                    len(writer)))
+        store.record_pending(name, self.build, self.rank, self.written[name])
+        self.outcome["bytes"] += len(data)
+        self.outcome["raw_bytes"] += raw
+        self.outcome["shards"] += 1
+        self.writers[name] = self._writer(name)
 
 
 def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, outcome: dict, rank: int,
          progress: bool) -> None:
     from tqdm import tqdm
 
-    from lit_dist.data.dataset import centre_crop
-
-    cfg, store = plan.config, plan.store
-    build_id = new_build_id()
-    writers = {name: ShardWriter(plan.dtype(name), cfg.compression, cfg.compression_level) for name in plan.fields}
-    written: dict[str, list[dict]] = {name: [] for name in plan.fields}
-    limit = cfg.shard_size_mb * 1_000_000
-    mean = torch.tensor(plan.mean, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(plan.std, device=device).view(1, 3, 1, 1) * 255
-    encoder = plan.encoder.to(device) if plan.encoder is not None else None
-
-    def flush(name: str) -> None:
-        writer = writers[name]
-        if not len(writer):
-            return
-        samples, raw = writer.samples, writer.raw_bytes
-        data, index = writer.finish()
-        written[name].append(store.write_shard(name, plan.fingerprints[name], data, index, raw, samples, len(writer)))
-        store.record_pending(name, build_id, rank, written[name])
-        outcome["bytes"] += len(data)
-        outcome["raw_bytes"] += raw
-        outcome["shards"] += 1
-        writers[name] = ShardWriter(plan.dtype(name), cfg.compression, cfg.compression_level)
-
+    builder = _Builder(plan, device, outcome, rank)
     # Its own generator: a loader started from the global RNG would shift every random draw of the training
     # that follows (mode build), and a run would differ from one that found the cache complete.
     loader = torch.utils.data.DataLoader(_Decode(plan, mine), batch_size=None, num_workers=num_workers,
@@ -199,27 +251,11 @@ def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, ou
     total = sum(len(rows) for _, rows, _ in mine)
     with tqdm(total=total, desc=f"lit-dist cache (rank {rank})", unit="img", disable=not progress or rank != 0,
               mininterval=2) as bar:
-        for d, rows, lacking, (w, h), images in loader:
-            need = plan.needs[d]
-            ok = [i for i, img in enumerate(images) if img is not None]
-            outcome["unreadable"] += len(rows) - len(ok)
-            if "pixels" in lacking:
-                for i in np.flatnonzero(lacking["pixels"]):
-                    writers["pixels"].add(int(need.samples[rows[i]]), int(need.keys["pixels"][rows[i]]), images[i])
-            if encoder is not None:
-                todo = [i for i in np.flatnonzero(lacking["encoder"]) if images[i] is not None]
-                crops = torch.from_numpy(np.stack([centre_crop(images[i], w, h) for i in todo])) if todo else None
-                outputs = _encode(encoder, crops.to(device), mean, std, cfg.encoder_dtype) if todo else []
-                for i in np.flatnonzero(lacking["encoder"]):
-                    array = outputs[todo.index(i)] if images[i] is not None else None
-                    writers["encoder"].add(int(need.samples[rows[i]]), int(need.keys["encoder"][rows[i]]), array)
-            outcome["samples"] += len(ok)
-            for name in plan.fields:
-                if writers[name].nbytes >= limit:
-                    flush(name)
+        for d, rows, lacking, size, images, unreadable in loader:
+            builder.add(d, rows, lacking, size, images, unreadable)
             bar.update(len(rows))
     for name in plan.fields:
-        flush(name)
+        builder.flush(name)
 
 
 def _as_is(item):
@@ -227,14 +263,16 @@ def _as_is(item):
 
 
 def _encode(encoder, crops: torch.Tensor, mean, std, dtype: str) -> list[np.ndarray]:
-    """Encoder outputs of centre crops (B, H, W, 3) uint8 on the encoder's device, as arrays in the stored dtype
-    (bf16 as raw 16-bit words)."""
+    """Encoder outputs of centre crops (B, H, W, 3) uint8 on the encoder's device, in the stored dtype."""
     x = (crops.permute(0, 3, 1, 2).float() - mean) / std  # (B, 3, H, W), normalised as training batches are
     with torch.inference_mode():
-        out = encoder(x)
+        return _stored(encoder(x), dtype)
+
+
+def _stored(out: torch.Tensor, dtype: str) -> list[np.ndarray]:
+    """One array per sample of ``out`` (B, ...) in the stored dtype (bf16 as raw 16-bit words: numpy has no bf16)."""
     target = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     out = out.to(target).cpu().contiguous()
     if dtype == "bf16":
-        out = out.view(torch.int16)
-    arrays = out.numpy()
-    return list(arrays.view(np.uint16) if dtype == "bf16" else arrays)
+        return list(out.view(torch.int16).numpy().view(np.uint16))
+    return list(out.numpy())

@@ -11,6 +11,8 @@ Example (YAML)::
           class_path: lit_dist.cache.encoders.VAEEncoder
           init_args: {config: {latent_channels: 4}}
         encoder_dtype: bf16
+        caption_encoder:                     # a frozen module: list of captions -> tensor (B, ...)
+          class_path: my_project.text.CaptionEncoder
 """
 
 from dataclasses import dataclass
@@ -30,8 +32,10 @@ class CacheConfig:
             (make what is missing while training, read it from the next epoch on), off.
         pixels: Cache each image resized to cover its bucket (uint8); the crop still happens at load.
         encoder: A frozen torch.nn.Module as {class_path, init_args}, applied to the centre crop of each image.
-        encoder_dtype: dtype the encoder outputs are stored in: bf16, fp16 or fp32.
-        encoder_key: Batch key of the encoder outputs, (B, ...) in encoder_dtype.
+        encoder_dtype: dtype the encoder and caption encoder outputs are stored in: bf16, fp16 or fp32.
+        encoder_key: Batch key of the encoder outputs, (B, ...), float32 on the device.
+        caption_encoder: A frozen torch.nn.Module as {class_path, init_args} mapping a list of captions to (B, ...).
+        caption_key: Batch key of the caption encoder outputs, (B, ...), float32 on the device.
         encoder_batch_size: Images per encoder call while building; default: data.batch_size_per_device.
         compression: zstd or none; compressed per sample, so reading one sample reads its bytes only.
         compression_level: zstd level (1 fast .. 19 small); 3 is zstd's own default.
@@ -44,6 +48,8 @@ class CacheConfig:
     encoder: dict | None = None
     encoder_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     encoder_key: str = "latent"
+    caption_encoder: dict | None = None
+    caption_key: str = "caption_embedding"
     encoder_batch_size: int | None = None
     compression: Literal["zstd", "none"] = "zstd"
     compression_level: int = 3
@@ -56,10 +62,16 @@ class CacheConfig:
         if self.mode != "off" and not self.dir:
             out.append("data.cache.dir is not set: name the cache folder (a local path or s3://bucket/prefix), "
                        "or set data.cache.mode: off")
-        if self.mode != "off" and not self.pixels and not self.encoder:
-            out.append("data.cache caches nothing: set data.cache.pixels: true and/or data.cache.encoder")
-        if self.encoder is not None and not (isinstance(self.encoder, dict) and isinstance(self.encoder.get("class_path"), str)):
-            out.append(f"data.cache.encoder = {self.encoder!r}: give it as {{class_path: my.Module, init_args: {{...}}}}")
+        if self.mode != "off" and not self.fields():
+            out.append("data.cache caches nothing: set data.cache.pixels: true, data.cache.encoder and/or "
+                       "data.cache.caption_encoder")
+        for name in ("encoder", "caption_encoder"):
+            spec = getattr(self, name)
+            if spec is not None and not (isinstance(spec, dict) and isinstance(spec.get("class_path"), str)):
+                out.append(f"data.cache.{name} = {spec!r}: give it as {{class_path: my.Module, init_args: {{...}}}}")
+        if self.caption_encoder is not None and self.mode == "ondemand":
+            out.append("data.cache.caption_encoder is built before training, not on demand: use data.cache.mode build "
+                       "(or read after `lit-dist cache`)")
         if self.encoder_dtype not in DTYPES:
             out.append(f"data.cache.encoder_dtype = {self.encoder_dtype!r}: must be one of {', '.join(DTYPES)}")
         if self.compression not in ("zstd", "none"):
@@ -78,4 +90,5 @@ class CacheConfig:
 
     def fields(self) -> list[str]:
         """The cached fields, in a fixed order."""
-        return [f for f, on in (("pixels", self.pixels), ("encoder", self.encoder is not None)) if on]
+        return [f for f, on in (("pixels", self.pixels), ("encoder", self.encoder is not None),
+                                ("caption_encoder", self.caption_encoder is not None)) if on]

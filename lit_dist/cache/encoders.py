@@ -20,20 +20,20 @@ from torch import nn
 from lit_dist.errors import ConfigError
 
 
-def load_encoder(spec: dict) -> nn.Module:
-    """Build ``spec`` ({class_path, init_args}) as a frozen module in eval mode, on the CPU."""
+def load_encoder(spec: dict, field: str = "encoder") -> nn.Module:
+    """Build ``spec`` ({class_path, init_args}) of ``data.cache.<field>`` as a frozen module in eval mode, on the CPU."""
     from lightning.pytorch.cli import instantiate_class
 
     class_path = spec.get("class_path", "")
     try:
         module = instantiate_class((), {"class_path": class_path, "init_args": dict(spec.get("init_args") or {})})
     except (ImportError, AttributeError, ModuleNotFoundError) as exc:
-        raise ConfigError(f"data.cache.encoder.class_path = {class_path!r} does not import ({exc}). Install the "
+        raise ConfigError(f"data.cache.{field}.class_path = {class_path!r} does not import ({exc}). Install the "
                           "package that provides it (diffusers: pip install 'lit-dist[latent]') or fix the path.") from exc
     except TypeError as exc:
-        raise ConfigError(f"data.cache.encoder.init_args do not fit {class_path} ({exc})") from exc
+        raise ConfigError(f"data.cache.{field}.init_args do not fit {class_path} ({exc})") from exc
     if not isinstance(module, nn.Module):
-        raise ConfigError(f"data.cache.encoder.class_path = {class_path!r} is a {type(module).__name__}, not a "
+        raise ConfigError(f"data.cache.{field}.class_path = {class_path!r} is a {type(module).__name__}, not a "
                           "torch.nn.Module")
     module.eval().requires_grad_(False)
     return module
@@ -49,15 +49,15 @@ def weights_sha256(module: nn.Module) -> str:
     return sha.hexdigest()
 
 
-def description(spec: dict, module: nn.Module, dtype: str, mean, std) -> dict:
+def description(spec: dict, module: nn.Module, dtype: str, field: str = "encoder", **inputs) -> dict:
     """Everything that makes an encoder entry what it is; its fingerprint keys the entries."""
     return {
-        "field": "encoder",
+        "field": field,
         "class_path": spec["class_path"],
         "init_args": json.loads(json.dumps(spec.get("init_args") or {}, sort_keys=True, default=str)),
         "weights_sha256": weights_sha256(module),
         "dtype": dtype,
-        "input": {"crop": "centre of the bucket-sized image", "mean": list(mean), "std": list(std)},
+        "input": inputs,
     }
 
 

@@ -29,6 +29,7 @@ class DatasetNeed:
     sizes: np.ndarray  # (n, 2) bucket (width, height) of each row
     samples: np.ndarray  # uint64 id of each row
     identity: np.ndarray | None = None  # uint64 version of each source file (size and mtime, or ETag)
+    captions: object = None  # pyarrow strings, for a caption encoder
     keys: dict[str, np.ndarray] = field(default_factory=dict)  # field -> uint64 key of each row
 
 
@@ -42,19 +43,32 @@ class CachePlan:
         self.needs = needs
         self.mean, self.std = tuple(mean), tuple(std)
         self.fields = config.fields()
-        self.encoder = None
+        self.encoder = self.caption_encoder = None
         # The bucket settings are in every description: entries of another resolution are named as such.
         self.descriptions = {"pixels": {"field": "pixels", **keys.PIXEL_RULE, "buckets": buckets}}
         if config.encoder is not None:
             from lit_dist.cache.encoders import description, load_encoder
 
             self.encoder = load_encoder(config.encoder)
-            self.descriptions["encoder"] = {**description(config.encoder, self.encoder, config.encoder_dtype, mean, std),
+            inputs = {"crop": "centre of the bucket-sized image", "mean": list(mean), "std": list(std)}
+            self.descriptions["encoder"] = {**description(config.encoder, self.encoder, config.encoder_dtype, **inputs),
                                             "buckets": buckets}
+        if config.caption_encoder is not None:
+            from lit_dist.cache.encoders import description, load_encoder
+
+            self.caption_encoder = load_encoder(config.caption_encoder, "caption_encoder")
+            self.descriptions["caption_encoder"] = description(config.caption_encoder, self.caption_encoder,
+                                                               config.encoder_dtype, "caption_encoder",
+                                                               text="the caption column")
         self.fingerprints = {f: keys.fingerprint(self.descriptions[f]) for f in self.fields}
         for need in needs:
-            need.keys = {f: keys.entry_keys(need.samples, self.identity(need), need.sizes, self.fingerprints[f])
-                         for f in self.fields}
+            need.keys = {f: self._keys(need, f) for f in self.fields}
+
+    def _keys(self, need: DatasetNeed, name: str) -> np.ndarray:
+        if name == "caption_encoder":  # the caption's text is its source; the image and bucket play no part
+            return keys.entry_keys(need.samples, keys.name_hashes(need.captions), np.zeros_like(need.sizes),
+                                   self.fingerprints[name])
+        return keys.entry_keys(need.samples, self.identity(need), need.sizes, self.fingerprints[name])
 
     @staticmethod
     def identity(need: DatasetNeed) -> np.ndarray:
@@ -65,7 +79,7 @@ class CachePlan:
 
     def batch_key(self, name: str) -> str:
         """The batch key a field's arrays travel under ("pixels" become the `image` crop)."""
-        return "pixels" if name == "pixels" else self.config.encoder_key
+        return {"pixels": "pixels", "encoder": self.config.encoder_key, "caption_encoder": self.config.caption_key}[name]
 
     def match(self) -> tuple[list[dict], dict[str, Coverage]]:
         """Per dataset {field: entry positions in the index, -1 if none}, the indexes, and each field's coverage."""

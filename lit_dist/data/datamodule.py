@@ -275,9 +275,14 @@ class BucketDataModule(LightningDataModule):
             identity = meta.identity
             if identity is None:  # a table without bytes/mtime columns: one listing of the image root
                 identity = listed_identity(source.image_root, meta.filenames, self.storage_options)
+            captions = meta.extra.get("caption")
+            if self.cache.caption_encoder is not None and captions is None:
+                raise DataError(f"data.cache.caption_encoder needs a caption column, and {source.table_path} has none "
+                                "(or data.extra_columns leaves it out)")
             needs.append(DatasetNeed(
                 images=self._dataset(source, meta, np.arange(len(meta)), buckets, random_crop=False),
                 sizes=self.bucket_sizes[buckets], samples=sample_ids(meta.filenames, source.image_root), identity=identity,
+                captions=captions,
             ))
         buckets = {"resolution": self.resolution, "alignment": self.alignment, "max_aspect": self.max_aspect}
         return CachePlan(self.cache, needs, buckets, *self.normalisation, storage_options=self.storage_options)
@@ -451,10 +456,11 @@ class BucketDataModule(LightningDataModule):
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         if "_encode" in batch:
             self._filler.encode(batch, self.cache.encoder_key, batch["_encode"]["input"].device)
-        if self.cache is not None and self.cache.encoder_key in batch:
-            # Stored and sent in data.cache.encoder_dtype (half the bytes for bf16); the model gets float32,
-            # which autocast lowers again under mixed precision.
-            batch[self.cache.encoder_key] = batch[self.cache.encoder_key].float()
+        for key in (self.cache.encoder_key, self.cache.caption_key) if self.cache is not None else ():
+            if key in batch:
+                # Stored and sent in data.cache.encoder_dtype (half the bytes for bf16); the model gets float32,
+                # which autocast lowers again under mixed precision.
+                batch[key] = batch[key].float()
         if "image" not in batch:  # only encoder outputs cached: nothing to normalise
             return batch
         image = batch["image"].permute(0, 3, 1, 2).float()  # (B, H, W, C) uint8 -> (B, C, H, W) float, 0..255

@@ -35,3 +35,16 @@ class PooledEncoder(nn.Module):
 
     def forward(self, x):
         return x.mean(dim=(2, 3))
+
+
+class ByteCaptionEncoder(nn.Module):
+    """Captions -> (B, dim): the mean of a seeded embedding of each caption's bytes."""
+
+    def __init__(self, dim: int = 8, seed: int = 0):
+        super().__init__()
+        self.table = nn.Embedding(256, dim)
+        with torch.no_grad():
+            self.table.weight.copy_(torch.randn(256, dim, generator=torch.Generator().manual_seed(seed)))
+
+    def forward(self, texts: list[str]) -> torch.Tensor:
+        return torch.stack([self.table(torch.tensor(list(t.encode()) or [0])).mean(0) for t in texts])  # (B, dim)

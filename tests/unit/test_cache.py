@@ -355,3 +355,51 @@ def test_ondemand_fills_the_cache_in_epoch_one_and_epoch_two_opens_no_source_ima
     assert len(opened) == train_rows
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_plan_shows_the_cache_coverage_and_refuses_mode_read_when_incomplete(tmp_path, demo_data):
+    from tests.conftest import CONFIGS, lit_dist
+
+    args = ["plan", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
+            "--data.cache.dir", str(tmp_path / "cache"), "--data.cache.mode", "read", "--data.allow_oversubscription", "true"]
+    out = lit_dist(*args)
+    assert out.returncode == 3 and "holds no cache" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert lit_dist("cache", *args[1:]).returncode == 0
+    out = lit_dist(*args)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "pixels: 400 of 400 cached (100.0%)" in out.stdout and "compression" in out.stdout
+
+
+CAPTIONS = {"class_path": "tests.helpers.encoders.ByteCaptionEncoder", "init_args": {"dim": 8}}
+
+
+def test_caption_encoder_outputs_are_cached_per_caption_and_a_changed_caption_is_stale(tmp_path, data):
+    from tests.helpers.encoders import ByteCaptionEncoder
+
+    cache = cache_config(tmp_path, encoder=None, caption_encoder=CAPTIONS, encoder_dtype="fp32")
+    dm = module_setup(data, cache)
+    table = pq.read_table(data)
+    captions = table.column("caption").to_pylist()
+    with torch.no_grad():
+        expected = ByteCaptionEncoder(dim=8)(captions)
+    for batch in batches(dm, "train", 4):
+        assert batch["caption_embedding"].shape == (len(batch["image"]), 8)
+        torch.testing.assert_close(batch["caption_embedding"], expected[batch["row"]])
+        assert batch["caption"] == [captions[r] for r in batch["row"].tolist()]
+
+    captions[3] = "a new caption"  # one caption rewritten: its embedding is stale, its pixels are not
+    pq.write_table(table.set_column(table.column_names.index("caption"), "caption", pa.array(captions)), data)
+    with pytest.raises(DataError, match=r"caption_encoder: 119 of 120 cached.*1 missing \(1 of them stale\)"):
+        module_setup(data, cache_config(tmp_path, mode="read", encoder=None, caption_encoder=CAPTIONS,
+                                        encoder_dtype="fp32"))
+    _, report = module(data, cache).build_cache(torch.device("cpu"))
+    assert report["samples"] == 1 and report["needed"] == 1
+
+
+def test_caption_encoder_needs_a_caption_column_and_mode_build(tmp_path, data):
+    table = pq.read_table(data).drop_columns(["caption"])
+    pq.write_table(table, data)
+    with pytest.raises(DataError, match="caption_encoder needs a caption column"):
+        module_setup(data, cache_config(tmp_path, encoder=None, caption_encoder=CAPTIONS))
+    with pytest.raises(ConfigError, match="caption_encoder is built before training, not on demand"):
+        module(data, cache_config(tmp_path, mode="ondemand", caption_encoder=CAPTIONS))
