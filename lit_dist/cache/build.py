@@ -17,6 +17,8 @@ build``. Order of work, the same on every rank:
 """
 
 import logging
+import signal
+import threading
 import time
 from collections import defaultdict
 
@@ -27,7 +29,8 @@ from lit_dist.cache.plan import CachePlan
 from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import new_build_id
 from lit_dist.distributed import Comm
-from lit_dist.errors import ConfigError
+from lit_dist.errors import ConfigError, Preempted
+from lit_dist.slurm import requeue
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +46,51 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
     started = time.perf_counter()
 
     def build_share() -> dict:
-        outcome = {"samples": 0, "unreadable": 0, "bytes": 0, "raw_bytes": 0, "shards": 0}
+        outcome = {"samples": 0, "unreadable": 0, "bytes": 0, "raw_bytes": 0, "shards": 0, "preempted": None}
         if plan.encoder is not None and work:
             _check_encoder_shapes(plan, device, sorted({tuple(plan.needs[d].sizes[rows[0]]) for d, rows, _ in work}))
-        _run(plan, work[comm.rank :: comm.world], device, num_workers, outcome, comm.rank, progress)
+        with _PreemptionFlag() as preempted:
+            _run(plan, work[comm.rank :: comm.world], device, num_workers, outcome, comm.rank, progress, preempted)
+        outcome["preempted"] = preempted.received
         return outcome
 
     # An error on one rank reaches every rank there: none is left waiting in the publish below.
     outcomes = comm.on_every_rank(build_share, "building the cache")
     comm.on_rank_zero(lambda: [plan.store.publish(name) for name in plan.fields], "publishing the cache")
-    total = {k: sum(o[k] for o in outcomes) for k in outcomes[0]}
+    total = {k: sum(o[k] for o in outcomes) for k in outcomes[0] if k != "preempted"}
+    signals = sorted({o["preempted"] for o in outcomes if o["preempted"]})
+    if signals:  # what was built is published; the next run builds the rest
+        outcome = comm.on_rank_zero(requeue, "requeueing the job")
+        raise Preempted(f"the cache build stopped on {', '.join(signals)} after {total['samples']} samples, which are "
+                        f"kept in {plan.config.dir}; {outcome}. The next `lit-dist cache` (or fit with mode build) "
+                        "builds only what is missing.")
     return {**total, "needed": sum(len(rows) for _, rows, _ in work), "seconds": time.perf_counter() - started,
             "ranks": comm.world, "coverage_before": {k: v.summary() for k, v in coverage.items()}}
+
+
+class _PreemptionFlag:
+    """SIGUSR1 (Slurm's warning before preemption or the time limit) and SIGTERM stop a build between batches:
+    the shards written so far are kept and published. Only a flag is set in the handler."""
+
+    SIGNALS = ("SIGUSR1", "SIGTERM")
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_PreemptionFlag":
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for name in self.SIGNALS:
+                number = getattr(signal, name)
+                self._previous[number] = signal.signal(number, self._handler)
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        self.received = self.received or signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
 
 
 def prepare(plan: CachePlan, comm: Comm) -> None:
@@ -240,7 +276,7 @@ class _Builder:
 
 
 def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, outcome: dict, rank: int,
-         progress: bool) -> None:
+         progress: bool, preempted: "_PreemptionFlag | None" = None) -> None:
     from tqdm import tqdm
 
     builder = _Builder(plan, device, outcome, rank)
@@ -254,6 +290,8 @@ def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, ou
         for d, rows, lacking, size, images, unreadable in loader:
             builder.add(d, rows, lacking, size, images, unreadable)
             bar.update(len(rows))
+            if preempted is not None and preempted.received:
+                break
     for name in plan.fields:
         builder.flush(name)
 

@@ -105,7 +105,7 @@ class CorruptEntry(Exception):
     """A cached entry's bytes do not match its crc32, or do not decode."""
 
 
-def decode(data: bytes, crc: int, dtype: str) -> np.ndarray:
+def decode(data: bytes | memoryview, crc: int, dtype: str) -> np.ndarray:
     """One sample's array from its byte range, checked against its crc32."""
     if zlib.crc32(data) != crc:
         raise CorruptEntry("crc32 mismatch")

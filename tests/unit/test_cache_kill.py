@@ -107,3 +107,25 @@ def test_killed_builds_never_leave_a_trusted_torn_shard_and_the_rebuild_finishes
     assert lit_dist("cache", "--config", clean, cwd=tmp_path).returncode == 0
     a, b = entries(tmp_path / "cache", ("pixels",)), entries(tmp_path / "clean", ("pixels",))
     assert a.keys() == b.keys() and all(np.array_equal(v, b[k]) for k, v in a.items())
+
+
+def test_sigusr1_stops_a_build_between_batches_keeps_its_shards_and_exits_preempted(tmp_path):
+    from lit_dist.data.demo import create_shapes_dataset
+
+    demo_data = tmp_path / "shapes" / "metadata.parquet"
+    create_shapes_dataset(str(demo_data), num_images=2000, seed=4)
+    config = write_config(tmp_path / "cfg.yaml", demo_data, tmp_path / "cache")
+    proc = subprocess.Popen([sys.executable, "-m", "lit_dist", "cache", "--config", config], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    while proc.poll() is None and _count(tmp_path / "cache") < 5:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGUSR1)  # as Slurm's --signal=USR1@120 reaches every process of the task
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 11, stderr[-3000:]
+    assert "stopped on SIGUSR1" in stderr and "not a Slurm job: nothing to requeue" in stderr
+    manifest = json.loads((tmp_path / "cache" / "pixels" / "manifest.json").read_text())
+    kept = sum(s["samples"] for s in manifest["shards"])
+    assert kept >= 5 and not list((tmp_path / "cache" / "pixels" / "pending").iterdir()), "published on the way out"
+    assert not problems(tmp_path / "cache")
+    out = lit_dist("cache", "--config", config, cwd=tmp_path)
+    assert out.returncode == 0 and f"built {2000 - kept} samples" in out.stdout, out.stdout + out.stderr[-2000:]
