@@ -21,11 +21,8 @@ def agree_any(trainer, flag: bool) -> bool:
 
 
 def all_gather_object(trainer, obj) -> list:
-    if trainer.world_size == 1:
-        return [obj]
-    gathered = [None] * trainer.world_size
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
+    """Every rank's ``obj`` of the trainer's run, in rank order, on every rank."""
+    return Comm(trainer.global_rank, trainer.world_size).all_gather(obj)
 
 
 def run_on_every_rank(trainer, function):

@@ -214,8 +214,13 @@ class BucketDataModule(LightningDataModule):
             self.index_folders()
         parts = self.read()
         if self.cache is not None:
+            from lit_dist.cache.attach import open_views
+
             device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
-            self._cache_views = self._open_cache(parts, device)
+            opened = open_views(self, parts, device)
+            self._cache_views, self._filler, self._fill_keys = opened.views, opened.filler, opened.fill_keys
+            if self._filler is not None and trainer is not None:
+                trainer.callbacks.append(self._filler)  # it publishes what batches made, at epoch boundaries
         views = self._cache_views or [None] * len(parts)
         fills = self._fill_keys or [None] * len(parts)
         for code, split in enumerate(("train", "val", "test", "predict")):
@@ -267,59 +272,15 @@ class BucketDataModule(LightningDataModule):
 
     def cache_plan(self, parts: list):
         """The CachePlan of this data: every row of every dataset, keyed for each cached field."""
-        from lit_dist.cache.keys import listed_identity, sample_ids
-        from lit_dist.cache.plan import CachePlan, DatasetNeed
+        from lit_dist.cache.attach import plan_for
 
-        needs = []
-        for source, (meta, buckets, _) in zip(self.sources, parts, strict=True):
-            identity = meta.identity
-            if identity is None:  # a table without bytes/mtime columns: one listing of the image root
-                identity = listed_identity(source.image_root, meta.filenames, self.storage_options)
-            captions = meta.extra.get("caption")
-            if self.cache.caption_encoder is not None and captions is None:
-                raise DataError(f"data.cache.caption_encoder needs a caption column, and {source.table_path} has none "
-                                "(or data.extra_columns leaves it out)")
-            needs.append(DatasetNeed(
-                images=self._dataset(source, meta, np.arange(len(meta)), buckets, random_crop=False),
-                sizes=self.bucket_sizes[buckets], samples=sample_ids(meta.filenames, source.image_root), identity=identity,
-                captions=captions,
-            ))
-        buckets = {"resolution": self.resolution, "alignment": self.alignment, "max_aspect": self.max_aspect}
-        return CachePlan(self.cache, needs, buckets, *self.normalisation, storage_options=self.storage_options)
+        return plan_for(self, parts)
 
     def build_cache(self, device: torch.device, verify: bool = False, parts: list | None = None):
         """Build what the cache lacks on every rank of the run (a collective: every rank must call it)."""
-        from lit_dist.cache.build import build
+        from lit_dist.cache.attach import build_for
 
-        plan = self.cache_plan(parts if parts is not None else self.read())
-        report = build(plan, device, self.num_workers, self.batch_size_per_device, verify=verify)
-        return plan, report
-
-    def _open_cache(self, parts: list, device: torch.device) -> list[dict]:
-        """The cache's entries for every dataset; built first under mode build; a DataError under mode read
-        when entries are missing."""
-        if self.cache.mode == "build":
-            plan, _ = self.build_cache(device, parts=parts)
-        elif self.cache.mode == "ondemand":
-            return self._fill_cache(self.cache_plan(parts), device)
-        else:
-            plan = self.cache_plan(parts)
-            if not plan.store.check():
-                raise DataError(f"data.cache.dir = {self.cache.dir!r} holds no cache (data.cache.mode: read). Build it "
-                                "first: `lit-dist cache --config <this config>`, or set data.cache.mode: build.")
-        found, coverage = plan.match()
-        incomplete = [c for c in coverage.values() if c.missing]
-        if incomplete:
-            details = []
-            for c in incomplete:
-                other = plan.describe_other(c.field, c.other_configs)
-                details.append(c.summary() + (f"; stale entries were built for another configuration: {other}" if other else ""))
-            raise DataError(f"data.cache.dir = {self.cache.dir!r} is incomplete for this run: {'; '.join(details)}. "
-                            "Build what is missing with `lit-dist cache --config <this config>` (every rank of a "
-                            "job builds its share), or set data.cache.mode: build.")
-        rank_zero_info("lit-dist: reading " + "; ".join(c.summary() for c in coverage.values())
-                       + f" from the cache {self.cache.dir}")
-        return plan.views(found)
+        return build_for(self, device, verify, parts)
 
     def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per group (dataset x bucket): its (width, height), its dataset, and its dataset's repeats."""
@@ -328,26 +289,6 @@ class BucketDataModule(LightningDataModule):
         source = np.repeat(np.arange(n), k)
         repeats = np.repeat([s.repeats for s in self.sources], k)
         return sizes, source, repeats
-
-    def _fill_cache(self, plan, device: torch.device) -> list[dict]:
-        """Mode ondemand: read what the cache has; what it lacks is made while training (see cache/ondemand.py)."""
-        from lit_dist.cache.build import check_encoder, prepare
-        from lit_dist.cache.ondemand import FillKeys, OnDemandFill
-        from lit_dist.distributed import Comm
-
-        prepare(plan, Comm.current())
-        check_encoder(plan, device)
-        found, coverage = plan.match()
-        views = plan.views(found)
-        rank_zero_info("lit-dist: " + "; ".join(c.summary() for c in coverage.values())
-                       + f" in {self.cache.dir}; what is missing is cached while training (mode ondemand)")
-        if any(c.missing for c in coverage.values()):
-            self._filler = OnDemandFill(plan, views)
-            self._fill_keys = [FillKeys(need.samples, {plan.batch_key(f): need.keys[f] for f in plan.fields})
-                               for need in plan.needs]
-            if self.trainer is not None:
-                self.trainer.callbacks.append(self._filler)
-        return views
 
     # -- batches ----------------------------------------------------------------------------
 
