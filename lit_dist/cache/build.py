@@ -217,7 +217,8 @@ class _Builder:
         self.caption_shape = None
 
     def _writer(self, name: str) -> ShardWriter:
-        return ShardWriter(self.plan.dtype(name), self.plan.config.compression, self.plan.config.compression_level)
+        cfg = self.plan.config
+        return ShardWriter(self.plan.dtype(name), cfg.compression, cfg.compression_level, cfg.min_savings)
 
     def add(self, d: int, rows: np.ndarray, lacking: dict, size: tuple[int, int], images: list, unreadable) -> None:
         from lit_dist.data.dataset import centre_crop

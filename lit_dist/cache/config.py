@@ -39,6 +39,8 @@ class CacheConfig:
         encoder_batch_size: Images per encoder call while building; default: data.batch_size_per_device.
         compression: zstd or none; compressed per sample, so reading one sample reads its bytes only.
         compression_level: zstd level (1 fast .. 19 small); 3 is zstd's own default.
+        min_savings: A sample is stored uncompressed when zstd saves less than this share of its bytes
+            (photos' pixels often: reading them is then a copy instead of a decompression).
         shard_size_mb: Target size of one shard file in MB (many samples per file; at most 4000).
     """
 
@@ -53,6 +55,7 @@ class CacheConfig:
     encoder_batch_size: int | None = None
     compression: Literal["zstd", "none"] = "zstd"
     compression_level: int = 3
+    min_savings: float = 0.1
     shard_size_mb: int = 256
 
     def problems(self) -> list[str]:
@@ -78,6 +81,8 @@ class CacheConfig:
             out.append(f"data.cache.compression = {self.compression!r}: must be zstd or none")
         if self.compression == "zstd" and not 1 <= self.compression_level <= 22:
             out.append(f"data.cache.compression_level = {self.compression_level}: zstd levels are 1..22")
+        if not 0 <= self.min_savings < 1:
+            out.append(f"data.cache.min_savings = {self.min_savings}: must be in [0, 1)")
         if not 1 <= self.shard_size_mb <= 4000:
             out.append(f"data.cache.shard_size_mb = {self.shard_size_mb}: must be in 1..4000 (offsets are 32-bit)")
         if self.encoder_batch_size is not None and self.encoder_batch_size < 1:

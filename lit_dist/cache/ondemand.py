@@ -79,7 +79,7 @@ class OnDemandFill(Callback):
 
     def _writer(self, name: str) -> ShardWriter:
         cfg = self.plan.config
-        return ShardWriter(self.plan.dtype(name), cfg.compression, cfg.compression_level)
+        return ShardWriter(self.plan.dtype(name), cfg.compression, cfg.compression_level, cfg.min_savings)
 
     # -- batches (training process) ---------------------------------------------------------
 

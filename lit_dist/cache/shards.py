@@ -1,18 +1,19 @@
-"""Shard files: many cached samples in one Arrow IPC file, one compressed record batch per sample.
+"""Shard files: many cached samples in one Arrow IPC stream, one record batch (message) per sample.
 
-Why Arrow IPC: it is an existing container with an index (the file footer lists every
-record batch), any Arrow reader opens a shard (``pyarrow.ipc.open_file(path).read_all()``),
-its buffer compression is zstd (or none) per record batch, and pyarrow is already a
-dependency. With one sample per record batch, a sample is one contiguous byte range of
-the file: the reader keeps each sample's (shard, offset, length, crc32) and reads exactly
-that range (``os.pread`` locally, one ranged GET on S3), never the whole shard.
+Why Arrow IPC: it is an existing, documented container; any Arrow reader opens a shard
+(``pyarrow.ipc.open_stream(path).read_all()``); its buffer compression is zstd, chosen per
+record batch; and pyarrow is already a dependency. With one sample per record batch, a sample
+is one contiguous byte range: the reader keeps each sample's (shard, offset, length, crc32)
+and reads exactly that range (a slice of the memory-mapped file locally, one ranged GET on
+S3), never the whole shard.
 
 Columns of a record batch: ``sample`` and ``key`` (uint64, see ``keys``), ``shape``
 (int32 list) and ``data`` (the array's bytes, C order). The dtype is in the schema metadata.
 
-Next to each shard, ``<name>.index.arrow`` lists its entries (sample, key, offset, length,
-crc32), so opening a cache reads the small index files, not the shards. An entry of length
-0 records a source that could not be decoded: it is known bad, not missing.
+Next to each shard, ``<name>.index.arrow`` (an Arrow IPC file) lists its entries (sample, key,
+offset, length, crc32): the index a stream has no footer for, and what opening a cache reads
+instead of the shards. An entry of length 0 records a source that could not be decoded: it is
+known bad, not missing.
 """
 
 import zlib
@@ -27,74 +28,74 @@ INDEX_SCHEMA = pa.schema([("sample", pa.uint64()), ("key", pa.uint64()), ("offse
 
 def schema(dtype: str) -> pa.Schema:
     return pa.schema([("sample", pa.uint64()), ("key", pa.uint64()), ("shape", pa.list_(pa.int32())), ("data", pa.binary())],
-                     metadata={b"dtype": dtype.encode(), b"format": b"lit-dist cache shard 1"})
+                     metadata={b"dtype": dtype.encode(), b"format": b"lit-dist cache shard 2"})
 
 
 class ShardWriter:
-    """Collects samples of one field into a shard in memory; ``finish`` returns its bytes and index."""
+    """Collects samples of one field into a shard in memory; ``finish`` returns its bytes and index.
 
-    def __init__(self, dtype: str, compression: str = "zstd", level: int = 3):
+    The shard is an Arrow IPC stream: the schema message, one record batch message per sample, the
+    end-of-stream marker. Each sample's message is zstd-compressed, or left uncompressed when that
+    saves less than ``min_savings`` of its bytes (near-incompressible photos: reading is then a copy,
+    not a decompression); Arrow readers handle both in one stream.
+    """
+
+    def __init__(self, dtype: str, compression: str = "zstd", level: int = 3, min_savings: float = 0.1):
         self.dtype = dtype
         self.schema = schema(dtype)
-        codec = pa.Codec("zstd", compression_level=level) if compression == "zstd" else None
-        self._options = pa.ipc.IpcWriteOptions(compression=codec)
-        self._sink = pa.BufferOutputStream()
-        self._writer = pa.ipc.new_file(self._sink, self.schema, options=self._options)
-        self._index: list[tuple[int, int, int, int]] = []  # (sample, key, end offset, 0 for a bad source)
+        self.codec = pa.Codec("zstd", compression_level=level) if compression == "zstd" else None
+        self.min_savings = min_savings
+        self._options = {True: pa.ipc.IpcWriteOptions(compression=self.codec), False: pa.ipc.IpcWriteOptions()}
+        self._parts = [_message(self.schema, None, self._options[False])]
+        self.nbytes = len(self._parts[0])
+        self._index: list[tuple[int, int, int, int, int]] = []  # (sample, key, offset, length, crc32)
         self.raw_bytes = 0  # uncompressed payload, for the compression ratio
         self.samples = 0
 
     def add(self, sample: int, key: int, array: np.ndarray | None) -> None:
         """Append one sample; ``array=None`` records a source that could not be decoded."""
         if array is None:
-            self._index.append((sample, key, -1))
+            self._index.append((sample, key, 0, 0, 0))
             return
         array = np.ascontiguousarray(array)
+        raw = array.view(np.uint8).reshape(-1).data
         batch = pa.record_batch([pa.array([sample], pa.uint64()), pa.array([key], pa.uint64()),
-                                 pa.array([list(array.shape)], pa.list_(pa.int32())),
-                                 pa.array([array.view(np.uint8).reshape(-1).data], pa.binary())], schema=self.schema)
-        self._writer.write_batch(batch)
-        self._index.append((sample, key, self._sink.tell()))
+                                 pa.array([list(array.shape)], pa.list_(pa.int32())), pa.array([raw], pa.binary())],
+                                schema=self.schema)
+        compress = self.codec is not None and len(self.codec.compress(raw)) <= (1 - self.min_savings) * len(raw)
+        message = _message(self.schema, batch, self._options[compress])
+        self._index.append((sample, key, self.nbytes, len(message), zlib.crc32(message)))
+        self._parts.append(message)
+        self.nbytes += len(message)
         self.raw_bytes += array.nbytes
         self.samples += 1
-
-    @property
-    def nbytes(self) -> int:
-        return self._sink.tell()
 
     def __len__(self) -> int:
         return len(self._index)
 
     def finish(self) -> tuple[bytes, bytes]:
         """(the shard file's bytes, its index file's bytes)."""
-        self._writer.close()
-        data = self._sink.getvalue().to_pybytes()
-        # The first batch was written after the file's magic and schema message: its range starts there.
-        start = _first_message_end(data) if self.samples else 0
-        samples, keys, offsets, lengths, crcs = [], [], [], [], []
-        for sample, key, end in self._index:
-            samples.append(sample)
-            keys.append(key)
-            if end < 0:
-                offsets.append(0), lengths.append(0), crcs.append(0)
-                continue
-            offsets.append(start)
-            lengths.append(end - start)
-            crcs.append(zlib.crc32(memoryview(data)[start:end]))
-            start = end
-        index = pa.table([pa.array(samples, pa.uint64()), pa.array(keys, pa.uint64()), pa.array(offsets, pa.uint32()),
-                          pa.array(lengths, pa.uint32()), pa.array(crcs, pa.uint32())], schema=INDEX_SCHEMA)
+        data = b"".join([*self._parts, _END_OF_STREAM])
+        columns = list(zip(*self._index, strict=True)) if self._index else [[]] * 5
+        index = pa.table([pa.array(c, f.type) for c, f in zip(columns, INDEX_SCHEMA, strict=True)], schema=INDEX_SCHEMA)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, INDEX_SCHEMA) as writer:
             writer.write_table(index)
         return data, sink.getvalue().to_pybytes()
 
 
-def _first_message_end(data: bytes) -> int:
-    """Where the schema message that follows the 8-byte file magic ends: a continuation marker, the
-    metadata length, the (padded) metadata, and no body."""
-    assert data[:6] == b"ARROW1" and data[8:12] == b"\xff\xff\xff\xff", "not an Arrow IPC file"
-    return 16 + int.from_bytes(data[12:16], "little")
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def _message(schema: pa.Schema, batch: pa.RecordBatch | None, options: pa.ipc.IpcWriteOptions) -> bytes:
+    """The encapsulated IPC message of ``batch`` (or of the schema, for None) as a stream writer writes it."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema, options=options) as writer:
+        if batch is not None:
+            writer.write_batch(batch)
+    data = sink.getvalue().to_pybytes()[: -len(_END_OF_STREAM)]
+    schema_end = 8 + int.from_bytes(data[4:8], "little")  # continuation marker, metadata length, metadata
+    return data[:schema_end] if batch is None else data[schema_end:]
 
 
 def read_index(data: bytes) -> pa.Table:

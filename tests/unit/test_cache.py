@@ -261,9 +261,19 @@ def test_shard_round_trip_and_compression_choice():
         for i, a in enumerate(arrays):
             at, n = table.column("offset")[i].as_py(), table.column("length")[i].as_py()
             assert np.array_equal(decode(data[at : at + n], table.column("crc32")[i].as_py(), "uint8"), a)
-        assert pa.ipc.open_file(pa.py_buffer(data)).read_all().num_rows == 5  # any Arrow reader opens a shard
+        assert pa.ipc.open_stream(pa.py_buffer(data)).read_all().num_rows == 5  # any Arrow reader opens a shard
         sizes[compression] = len(data)
     assert sizes["zstd"] < sizes["none"] / 2
+    noise = np.random.default_rng(1).integers(0, 256, (20, 30, 3), dtype=np.uint8)  # zstd would save nothing
+    writer = ShardWriter("uint8", "zstd", min_savings=0.1)
+    writer.add(0, 0, noise)
+    data, index = writer.finish()
+    table = read_index(index)
+    plain = ShardWriter("uint8", "none")
+    plain.add(0, 0, noise)
+    assert table.column("length")[0].as_py() == read_index(plain.finish()[1]).column("length")[0].as_py()  # as is
+    at, n = table.column("offset")[0].as_py(), table.column("length")[0].as_py()
+    assert np.array_equal(decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8"), noise)
 
 
 def test_bad_cache_configs_are_named_together(tmp_path, data):
@@ -404,3 +414,25 @@ def test_caption_encoder_needs_a_caption_column_and_mode_build(tmp_path, data):
         module_setup(data, cache_config(tmp_path, encoder=None, caption_encoder=CAPTIONS))
     with pytest.raises(ConfigError, match="caption_encoder is built before training, not on demand"):
         module(data, cache_config(tmp_path, mode="ondemand", caption_encoder=CAPTIONS))
+
+
+def test_mixed_datasets_read_their_own_entries_from_one_cache(tmp_path, demo_data):
+    from lit_dist.data.sources import DatasetSource
+
+    second = tmp_path / "b"
+    shutil.copytree(demo_data.parent, second)  # the same file names under another root: other samples
+    sources = [DatasetSource(metadata=str(demo_data), weight=3), DatasetSource(metadata=str(second / "metadata.parquet"))]
+
+    def mixed(cache):
+        dm = BucketDataModule(datasets=sources, resolution=32, batch_size_per_device=4, num_workers=0, cache=cache)
+        dm.setup("fit")
+        return list(dm.train_dataloader())
+
+    cached = mixed(cache_config(tmp_path, encoder=None))
+    plain = mixed(None)
+    assert len(cached) == len(plain)
+    for a, b in zip(cached, plain, strict=True):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["dataset"], b["dataset"])
+    _, coverage = BucketDataModule(datasets=sources, resolution=32, cache=cache_config(tmp_path, encoder=None)).cache_plan(
+        BucketDataModule(datasets=sources, resolution=32, cache=cache_config(tmp_path, encoder=None)).read()).match()
+    assert coverage["pixels"].hits == 800  # 400 rows of each dataset, not 400 shared by name
