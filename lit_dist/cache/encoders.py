@@ -57,6 +57,7 @@ def description(spec: dict, module: nn.Module, dtype: str, field: str = "encoder
         "init_args": json.loads(json.dumps(spec.get("init_args") or {}, sort_keys=True, default=str)),
         "weights_sha256": weights_sha256(module),
         "dtype": dtype,
+        "layout": "byte-shuffled",  # how the stored bytes are laid out: part of what an entry is
         "input": inputs,
     }
 

@@ -160,8 +160,6 @@ class OnDemandFill(Callback):
         self.made = 0
         found, _ = self.plan.match()
         for views, fresh in zip(self.views, self.plan.views(found), strict=True):
-            for key, view in views.items():
+            for key, view in views.items():  # the datasets hold these view objects: they see the new entries
                 new = fresh[key]
-                view.urls = new.urls
-                for array in ("shard", "offset", "length", "crc"):
-                    getattr(view, array)[:] = getattr(new, array)
+                view.urls, view.shard, view.offset, view.length, view.crc = new.urls, new.shard, new.offset, new.length, new.crc

@@ -1,7 +1,7 @@
 """Looking samples up in a cache: the published index of a field, matched against what a run needs.
 
-A run keeps, per cached field and sample, 16 bytes: the shard (int32, -1 when absent),
-the entry's offset and length in it and its crc32 (uint32 each). Reading a sample reads
+A run keeps, per cached field and sample, 14 bytes: the shard (int16, -1 when absent; int32
+past 32 K shards), the entry's offset and length in it and its crc32 (uint32 each). Reading a sample reads
 that byte range and nothing else: a slice of the memory-mapped shard locally, one ranged
 GET on an object store.
 """
@@ -100,13 +100,14 @@ class FieldIndex:
     def view(self, found: np.ndarray, dtype: str) -> "FieldView":
         ok = found >= 0
         entry = np.where(ok, found, 0)
+        shard_type = np.int16 if len(self.shards) < 2**15 else np.int32  # 2 bytes a sample saved below 32 K shards
         if not len(self.shard):
-            return FieldView(self.field, dtype, [], self.store.fs.storage_options, np.full(len(found), MISSING, np.int32),
+            return FieldView(self.field, dtype, [], self.store.fs.storage_options, np.full(len(found), MISSING, shard_type),
                              *(np.zeros(len(found), np.uint32) for _ in range(3)))  # three arrays, not one thrice
         return FieldView(
             self.field, dtype, [self.store.shard_url(self.field, s["name"]) for s in self.shards],
             self.store.fs.storage_options,
-            np.where(ok, self.shard[entry], MISSING).astype(np.int32),
+            np.where(ok, self.shard[entry], MISSING).astype(shard_type),
             np.where(ok, self.offset[entry], 0).astype(np.uint32),
             np.where(ok, self.length[entry], 0).astype(np.uint32),
             np.where(ok, self.crc[entry], 0).astype(np.uint32),

@@ -8,7 +8,8 @@ and reads exactly that range (a slice of the memory-mapped file locally, one ran
 S3), never the whole shard.
 
 Columns of a record batch: ``sample`` and ``key`` (uint64, see ``keys``), ``shape``
-(int32 list) and ``data`` (the array's bytes, C order). The dtype is in the schema metadata.
+(int32 list) and ``data`` (the array's bytes, C order; for multi-byte dtypes byte-shuffled, see
+``shuffle``). The dtype is in the schema metadata.
 
 Next to each shard, ``<name>.index.arrow`` (an Arrow IPC file) lists its entries (sample, key,
 offset, length, crc32): the index a stream has no footer for, and what opening a cache reads
@@ -28,7 +29,8 @@ INDEX_SCHEMA = pa.schema([("sample", pa.uint64()), ("key", pa.uint64()), ("offse
 
 def schema(dtype: str) -> pa.Schema:
     return pa.schema([("sample", pa.uint64()), ("key", pa.uint64()), ("shape", pa.list_(pa.int32())), ("data", pa.binary())],
-                     metadata={b"dtype": dtype.encode(), b"format": b"lit-dist cache shard 2"})
+                     metadata={b"dtype": dtype.encode(), b"format": b"lit-dist cache shard 2",
+                               b"layout": b"C order; bytes shuffled by position for multi-byte dtypes"})
 
 
 class ShardWriter:
@@ -58,7 +60,7 @@ class ShardWriter:
             self._index.append((sample, key, 0, 0, 0))
             return
         array = np.ascontiguousarray(array)
-        raw = array.view(np.uint8).reshape(-1).data
+        raw = shuffle(array)
         batch = pa.record_batch([pa.array([sample], pa.uint64()), pa.array([key], pa.uint64()),
                                  pa.array([list(array.shape)], pa.list_(pa.int32())), pa.array([raw], pa.binary())],
                                 schema=self.schema)
@@ -98,6 +100,15 @@ def _message(schema: pa.Schema, batch: pa.RecordBatch | None, options: pa.ipc.Ip
     return data[:schema_end] if batch is None else data[schema_end:]
 
 
+def shuffle(array: np.ndarray):
+    """The array's bytes, for multi-byte dtypes grouped by byte position (all first bytes, then all second
+    bytes, ...), as HDF5's and Blosc's shuffle filters do: the exponent bytes of floats repeat a lot and
+    compress well once they stand together, the mantissa bytes do not."""
+    if array.itemsize == 1:
+        return array.reshape(-1).data
+    return array.view(np.uint8).reshape(-1, array.itemsize).T.copy().reshape(-1).data
+
+
 def read_index(data: bytes) -> pa.Table:
     return pa.ipc.open_file(pa.py_buffer(data)).read_all()
 
@@ -114,7 +125,10 @@ def decode(data: bytes | memoryview, crc: int, dtype: str) -> np.ndarray:
         message = pa.ipc.read_message(pa.py_buffer(data))
         batch = pa.ipc.read_record_batch(message, schema(dtype))
         shape = batch.column(2)[0].as_py()
-        raw = batch.column(3)[0].as_buffer()
-        return np.frombuffer(raw, dtype=DTYPES[dtype]).reshape(shape)
+        raw = np.frombuffer(batch.column(3)[0].as_buffer(), dtype=np.uint8)
+        itemsize = np.dtype(DTYPES[dtype]).itemsize
+        if itemsize > 1:  # undo the byte shuffle
+            raw = raw.reshape(itemsize, -1).T.copy()
+        return raw.view(DTYPES[dtype]).reshape(shape)
     except (pa.ArrowException, ValueError) as exc:
         raise CorruptEntry(str(exc)) from exc

@@ -96,7 +96,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
     def __getitem__(self, request: tuple[int, list[int], float]) -> dict[str, torch.Tensor]:
         epoch, indices, weight = request
         width, height = self.bucket_sizes[self.bucket_ids[indices[0]]]
-        images = np.empty((len(indices), height, width, 3), dtype=np.uint8) if self.load_images else None  # (B, H, W, C)
+        image, images = _batch_buffer((len(indices), height, width, 3)) if self.load_images else (None, None)  # (B, H, W, C)
         arrays: dict[str, list[tuple[int, np.ndarray]]] = {}  # batch key -> (slot, array) of the samples that have it
         used = np.empty(len(indices), dtype=np.int64)
         failures = 0
@@ -112,10 +112,10 @@ class BucketImageDataset(torch.utils.data.Dataset):
             "weight": torch.full((len(indices),), weight, dtype=torch.float32),
             "bad_samples": torch.tensor(failures),  # images of this batch that were replaced
         }
-        if images is not None:
+        if image is not None:
             # Channels last, as decoded: the permute to (B, C, H, W) is a free view on the device
             # instead of a copy in the worker.
-            batch["image"] = torch.from_numpy(images)  # (B, H, W, C) uint8
+            batch["image"] = image  # (B, H, W, C) uint8
         at = self.positions[used]
         if self.fill is not None:  # data.cache.mode ondemand: what this batch made for the cache
             batch.update(self.fill.batch_parts(arrays, at, {k: v.dtype for k, v in self.cache.items()}))
@@ -202,6 +202,18 @@ class BucketImageDataset(torch.utils.data.Dataset):
             left, top = int(rng.integers(free_x + 1)), int(rng.integers(free_y + 1))
             return image[top : top + height, left : left + width]  # (H, W, C)
         return centre_crop(image, width, height)
+
+
+def _batch_buffer(shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
+    """A new uint8 tensor and its numpy view. In a loader worker it is allocated in shared memory at once, so
+    handing the batch to the training process copies nothing (a tensor in ordinary memory is copied into
+    shared memory on its way out); torch's own default_collate does the same with ``_new_shared``."""
+    if torch.utils.data.get_worker_info() is None:
+        tensor = torch.empty(shape, dtype=torch.uint8)
+    else:
+        storage = torch.UntypedStorage._new_shared(int(np.prod(shape)))
+        tensor = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+    return tensor, tensor.numpy()
 
 
 def centre_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:

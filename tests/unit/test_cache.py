@@ -234,11 +234,11 @@ def test_an_unreadable_source_is_recorded_and_replaced_at_load(tmp_path, data):
     assert int((view.shard >= 0).sum()) == 120 and int((view.length == 0).sum()) == 1
 
 
-def test_reader_keeps_16_bytes_per_sample_and_field_and_reads_one_range(tmp_path, data):
+def test_reader_keeps_14_bytes_per_sample_and_field_and_reads_one_range(tmp_path, data):
     dm = module_setup(data, cache_config(tmp_path))
     for view in dm._cache_views[0].values():
         per_sample = sum(a.nbytes for a in (view.shard, view.offset, view.length, view.crc)) / len(view.shard)
-        assert per_sample == 16
+        assert per_sample == 14
     view = dm._cache_views[0]["pixels"]
     shard, offset, length = int(view.shard[10]), int(view.offset[10]), int(view.length[10])
     got = view._read(shard, offset, length)  # a slice of the mapped shard: that sample's bytes, nothing more
