@@ -42,6 +42,8 @@ class CacheConfig:
         min_savings: A sample is stored uncompressed when zstd saves less than this share of its bytes
             (photos' pixels often: reading them is then a copy instead of a decompression).
         shard_size_mb: Target size of one shard file in MB (many samples per file; at most 4000).
+        threads: Read cached batches with data.num_workers threads of the training process instead of worker
+            processes (no copy through shared memory); not while mode ondemand still decodes images.
     """
 
     dir: str | None = None
@@ -57,6 +59,7 @@ class CacheConfig:
     compression_level: int = 3
     min_savings: float = 0.1
     shard_size_mb: int = 256
+    threads: bool = True
 
     def problems(self) -> list[str]:
         out = []

@@ -324,7 +324,13 @@ class BucketDataModule(LightningDataModule):
             row["dataset"] = int(source[row["group"]])
         return per_group, source, rows, problems
 
-    def _loader(self, split: str, sampler) -> torch.utils.data.DataLoader:
+    def _loader(self, split: str, sampler):
+        if self.cache is not None and self.cache.threads and self._filler is None and split != "predict":
+            # Every entry is in the cache (modes read and build): threads read it, see data/threads.py.
+            # Predicting keeps the DataLoader, which Lightning itself splits among ranks.
+            from lit_dist.data.threads import ThreadLoader
+
+            return ThreadLoader(self._splits[split], sampler, self.num_workers)
         return _SeededLoader(
             self.seed,
             self._splits[split],

@@ -436,3 +436,24 @@ def test_mixed_datasets_read_their_own_entries_from_one_cache(tmp_path, demo_dat
     _, coverage = BucketDataModule(datasets=sources, resolution=32, cache=cache_config(tmp_path, encoder=None)).cache_plan(
         BucketDataModule(datasets=sources, resolution=32, cache=cache_config(tmp_path, encoder=None)).read()).match()
     assert coverage["pixels"].hits == 800  # 400 rows of each dataset, not 400 shared by name
+
+
+def test_cached_batches_come_from_threads_in_order_and_equal_the_worker_processes(tmp_path, data):
+    from lit_dist.data.threads import ThreadLoader
+
+    threaded = module_setup(data, cache_config(tmp_path), num_workers=2)
+    processes = module_setup(data, cache_config(tmp_path, threads=False), num_workers=2)
+    a, b = threaded.train_dataloader(), processes.train_dataloader()
+    assert isinstance(a, ThreadLoader) and not isinstance(b, ThreadLoader) and len(a) == len(b)
+    for epoch in (0, 1):
+        a.sampler.set_epoch(epoch)
+        b.sampler.set_epoch(epoch)
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x["image"], y["image"]) and torch.equal(x["latent"], y["latent"])
+    batches = iter(a)
+    next(batches)
+    batches.close()  # a consumer that stops early (Lightning at max_steps) leaves no thread behind
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name.startswith("lit-dist-cache-loader")]
+    assert not isinstance(threaded.predict_dataloader(), ThreadLoader)  # Lightning splits prediction itself
