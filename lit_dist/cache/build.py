@@ -9,7 +9,8 @@ build``. Order of work, the same on every rank:
 2. every rank checks its share of the listed shards (sizes, and with ``verify`` their sha256)
    and that it can write; one all-gather; rank 0 drops the damaged shards; barrier.
 3. every rank reads the index, computes what is missing (the same list on every rank) and
-   takes every ``world``-th batch of it: one bucket per batch, so the encoder sees equal shapes.
+   takes its share of the batches (equal sample counts, see ``_share``): one bucket per batch, so
+   the encoder sees equal shapes.
 4. loader workers decode and resize; this process encodes on the rank's device, writes shards
    (atomic, then named in its pending list), and goes on.
 5. one all-gather of each rank's outcome: if any rank failed, every rank raises (nobody is
@@ -42,7 +43,10 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
     prepare(plan, comm)
     _drop_damaged(plan, comm, verify)
     found, coverage = plan.match()
-    work = _work(plan, found, plan.config.encoder_batch_size or batch_size)
+    # Without a model to batch for, small batches: the ranks' shares come out more even.
+    encoding = plan.encoder is not None or plan.caption_encoder is not None
+    work = _work(plan, found, plan.config.encoder_batch_size or (batch_size if encoding else 8))
+    mine = _share(work, comm.rank, comm.world)
     started = time.perf_counter()
 
     def build_share() -> dict:
@@ -50,7 +54,7 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
         if plan.encoder is not None and work:
             _check_encoder_shapes(plan, device, sorted({tuple(plan.needs[d].sizes[rows[0]]) for d, rows, _ in work}))
         with _PreemptionFlag() as preempted:
-            _run(plan, work[comm.rank :: comm.world], device, num_workers, outcome, comm.rank, progress, preempted)
+            _run(plan, mine, device, num_workers, outcome, comm.rank, progress, preempted)
         outcome["preempted"] = preempted.received
         return outcome
 
@@ -153,6 +157,17 @@ def _work(plan: CachePlan, found: list[dict], size: int) -> list[tuple[int, np.n
                 chunk = rows[lo : lo + size]
                 batches.append((d, chunk, {name: mask[chunk] for name, mask in lacking.items()}))
     return batches
+
+
+def _share(work: list, rank: int, world: int) -> list:
+    """This rank's batches: the largest first, each to the rank with the fewest samples so far (the same
+    choice on every rank), so that no rank is left finishing alone; kept in their original order."""
+    load = np.zeros(world, dtype=np.int64)
+    owner = np.empty(len(work), dtype=np.int64)
+    for j in sorted(range(len(work)), key=lambda j: -len(work[j][1])):
+        owner[j] = int(np.argmin(load))
+        load[owner[j]] += len(work[j][1])
+    return [batch for batch, who in zip(work, owner, strict=True) if who == rank]
 
 
 def _check_encoder_shapes(plan: CachePlan, device: torch.device, sizes: list[tuple[int, int]]) -> None:
