@@ -189,7 +189,7 @@ def bench_compression(payloads: list[bytes], itemsize: int = 1, level: int = 3) 
     (what gzipping each file stores); also zstd on the plain bytes, to separate codec and layout."""
     import pyarrow as pa
 
-    from lit_dist.cache.shards import shuffle
+    from lit_dist.cache.shards import shuffle, unshuffle
 
     zstd = pa.Codec("zstd", compression_level=level)
     raw = sum(len(p) for p in payloads)
@@ -198,7 +198,7 @@ def bench_compression(payloads: list[bytes], itemsize: int = 1, level: int = 3) 
     z = [zstd.compress(p, asbytes=True) for p in stored]
     g = [gzip.compress(p) for p in payloads]  # Python's default level, 9
     timings = {}
-    for name, blobs, unpack in (("zstd", z, lambda b, n: _unshuffle(zstd.decompress(b, decompressed_size=n), itemsize)),
+    for name, blobs, unpack in (("zstd", z, lambda b, n: unshuffle(np.frombuffer(zstd.decompress(b, decompressed_size=n), np.uint8), itemsize)),
                                 ("gzip", g, lambda b, n: gzip.decompress(b))):
         best = float("inf")
         for _ in range(3):
@@ -210,11 +210,6 @@ def bench_compression(payloads: list[bytes], itemsize: int = 1, level: int = 3) 
     return {"zstd_ratio": raw / sum(map(len, z)), "gzip_ratio": raw / sum(map(len, g)), "zstd_plain_ratio": plain_zstd,
             "zstd_decompress_MBps": raw / timings["zstd"] / 1e6, "gzip_decompress_MBps": raw / timings["gzip"] / 1e6,
             "decompress_speedup": timings["gzip"] / timings["zstd"]}
-
-
-def _unshuffle(buffer, itemsize: int) -> np.ndarray:
-    data = np.frombuffer(buffer, dtype=np.uint8)
-    return data if itemsize == 1 else data.reshape(itemsize, -1).T.copy()
 
 
 def bench_s3(table: str, tmp: str) -> dict:

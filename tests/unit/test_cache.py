@@ -457,3 +457,24 @@ def test_cached_batches_come_from_threads_in_order_and_equal_the_worker_processe
 
     assert not [t for t in threading.enumerate() if t.name.startswith("lit-dist-cache-loader")]
     assert not isinstance(threaded.predict_dataloader(), ThreadLoader)  # Lightning splits prediction itself
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_float_entries_round_trip_through_the_byte_shuffle(dtype):
+    from lit_dist.cache.build import _stored
+
+    values = torch.randn(3, 4, 5, 6)
+    arrays = _stored(values, dtype)  # as a build stores encoder outputs
+    writer = ShardWriter(dtype, "zstd")
+    for i, a in enumerate(arrays):
+        writer.add(i, i, a)
+    data, index = writer.finish()
+    table = read_index(index)
+    from lit_dist.data.dataset import _tensor
+
+    for i, a in enumerate(arrays):
+        at, n = table.column("offset")[i].as_py(), table.column("length")[i].as_py()
+        back = decode(data[at : at + n], table.column("crc32")[i].as_py(), dtype)
+        assert np.array_equal(back, a)
+        expected = values[i].to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
+        assert torch.equal(_tensor(back, dtype), expected)
