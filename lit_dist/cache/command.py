@@ -17,8 +17,9 @@ def cache(cli_class, argv: list[str]) -> int:
     cli = cli_class(args=[a for a in argv if a != "--check"], run=False)
     data = cli.datamodule
     if getattr(data, "cache", None) is None:
-        raise ConfigError("data.cache: this config has no cache section (or data.cache.mode: off). Add one, e.g. "
-                          "data: {cache: {dir: /scratch/cache, pixels: true}}, then run lit-dist cache again.")
+        raise ConfigError("data.cache.dir is not set (or data.cache.mode is off): nothing to build. Add e.g. "
+                          "data: {cache: {dir: /scratch/cache, pixels: true}}, or --data.cache.dir DIR, then run "
+                          "lit-dist cache again.")
     if check:
         return check_cache(data)
     from lit_dist.distributed import run_on_every_rank

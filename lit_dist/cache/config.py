@@ -27,7 +27,7 @@ class CacheConfig:
     """Where and what to cache.
 
     Args:
-        dir: Cache folder, a local path or an fsspec URL (s3://bucket/cache); shared by every run of this data.
+        dir: Cache folder, a local path or an fsspec URL (s3://bucket/cache); unset: no cache.
         mode: read (fail if anything is missing), build (build what is missing at the start of fit), ondemand
             (make what is missing while training, read it from the next epoch on), off.
         pixels: Cache each image resized to cover its bucket (uint8); the crop still happens at load.
@@ -65,10 +65,10 @@ class CacheConfig:
         out = []
         if self.mode not in MODES:
             out.append(f"data.cache.mode = {self.mode!r}: must be one of {', '.join(MODES)}")
-        if self.mode != "off" and not self.dir:
+        if not self.dir and (self.mode in ("read", "ondemand") or self.encoder or self.caption_encoder):
             out.append("data.cache.dir is not set: name the cache folder (a local path or s3://bucket/prefix), "
                        "or set data.cache.mode: off")
-        if self.mode != "off" and not self.fields():
+        if self.dir and self.mode != "off" and not self.fields():
             out.append("data.cache caches nothing: set data.cache.pixels: true, data.cache.encoder and/or "
                        "data.cache.caption_encoder")
         for name in ("encoder", "caption_encoder"):
@@ -94,7 +94,8 @@ class CacheConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "off"
+        """A cache is used once it has a folder, unless mode is off."""
+        return self.mode != "off" and bool(self.dir)
 
     def fields(self) -> list[str]:
         """The cached fields, in a fixed order."""

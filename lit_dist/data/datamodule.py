@@ -61,7 +61,7 @@ class BucketDataModule(LightningDataModule):
         storage_options: dict | None = None,
         create_demo_if_missing: bool = False,
         demo_num_images: int = 3000,
-        cache: CacheConfig | None = None,
+        cache: CacheConfig = CacheConfig(),
     ):
         """Configure the data.
 
@@ -92,7 +92,7 @@ class BucketDataModule(LightningDataModule):
             storage_options: fsspec options for remote data (e.g. endpoint_url); credentials come from env vars.
             create_demo_if_missing: Generate the demo shapes dataset at metadata if it does not exist.
             demo_num_images: Number of images the demo dataset gets when generated.
-            cache: Preprocessed cache of resized pixels and/or encoder outputs, read instead of decoding images.
+            cache: Preprocessed cache of resized pixels and encoder outputs, read instead of decoding images.
         """
         super().__init__()
         problems = []
@@ -114,7 +114,7 @@ class BucketDataModule(LightningDataModule):
             problems.append(f"data.num_workers = {num_workers}: must be >= 0 (0 loads in the training process)")
         if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
             problems.append(f"data.mean = {list(mean)}, data.std = {list(std)}: need 3 values each, std > 0")
-        if cache is not None:
+        if cache is not None:  # None: no cache, as in code that builds the module without the CLI
             problems += cache.problems()
         if create_demo_if_missing and metadata is not None and "://" in metadata:
             problems.append(f"data.create_demo_if_missing needs a local data.metadata path, not {metadata!r}")

@@ -277,10 +277,12 @@ def test_shard_round_trip_and_compression_choice():
 
 
 def test_bad_cache_configs_are_named_together(tmp_path, data):
-    bad = CacheConfig(dir=None, mode="build", pixels=False, encoder=None, compression_level=40, shard_size_mb=9000)
-    with pytest.raises(ConfigError, match=r"(?s)4 problems.*data.cache.dir is not set.*caches nothing.*compression_level = "
-                                          r"40.*shard_size_mb = 9000"):
+    bad = CacheConfig(dir=str(tmp_path), pixels=False, encoder=None, compression_level=40, shard_size_mb=9000)
+    with pytest.raises(ConfigError, match=r"(?s)3 problems.*caches nothing.*compression_level = 40.*shard_size_mb = 9000"):
         module(data, bad)
+    with pytest.raises(ConfigError, match=r"data.cache.dir is not set"):
+        module(data, CacheConfig(mode="read"))
+    assert module(data, CacheConfig()).cache is None  # the default: no folder, no cache
 
 
 def test_a_folder_that_is_not_a_cache_or_from_a_newer_lit_dist_is_refused(tmp_path, data):
