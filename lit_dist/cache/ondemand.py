@@ -73,7 +73,7 @@ class OnDemandFill(Callback):
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-dist-cache-fill")
         self.pending = []
-        self.seen: dict[str, set] = {name: set() for name in plan.fields}  # (sample, key) written by this rank
+        self.seen: dict[str, set] = {name: set() for name in plan.fields}  # (sample, key) made this epoch
         self.encoder = plan.encoder
         self.made = 0
 
@@ -157,6 +157,8 @@ class OnDemandFill(Callback):
         self.comm.on_rank_zero(lambda: [self.plan.store.publish(name) for name in self.plan.fields],
                                "publishing the cache")
         self.written = {name: [] for name in self.plan.fields}
+        # Published entries are looked up from now on; what a later epoch makes is new: the set stays one epoch's.
+        self.seen = {name: set() for name in self.plan.fields}
         self.made = 0
         found, _ = self.plan.match()
         for views, fresh in zip(self.views, self.plan.views(found), strict=True):
