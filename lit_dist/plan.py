@@ -140,10 +140,7 @@ def _plan_cache(data, parts: list, lines: list[str]) -> list[tuple[ExitCode, str
     lines.append(f"cache               {cache.dir} (mode {cache.mode}, {cache.compression})")
     problems = []
     for name, c in coverage.items():
-        shards = plan.store.manifest(name)["shards"]
-        stored, raw = sum(s["bytes"] for s in shards), sum(s["raw_bytes"] for s in shards)
-        ratio = f", compression {raw / stored:.2f}x" if stored else ""
-        lines.append(f"                    {c.summary()}; {len(shards)} shards, {stored / 1e6:.1f} MB{ratio}")
+        lines.append(f"                    {c.summary()}; {plan.store.size_summary(name)}")
         if c.missing and cache.mode == "read":
             problems.append((ExitCode.DATA_ERROR, f"data.cache.mode is read and {c.field} lacks {c.missing} entries: "
                                                   "run `lit-dist cache --config <this config>` first"))

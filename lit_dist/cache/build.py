@@ -42,7 +42,7 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
     comm = comm or Comm.current()
     prepare(plan, comm)
     _drop_damaged(plan, comm, verify)
-    found, coverage = plan.match()
+    found, _ = plan.match()
     # Without a model to batch for, small batches: the ranks' shares come out more even.
     encoding = plan.encoder is not None or plan.caption_encoder is not None
     work = _work(plan, found, plan.config.encoder_batch_size or (batch_size if encoding else 8))
@@ -51,8 +51,8 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
 
     def build_share() -> dict:
         outcome = {"samples": 0, "unreadable": 0, "bytes": 0, "raw_bytes": 0, "shards": 0, "preempted": None}
-        if plan.encoder is not None and work:
-            _check_encoder_shapes(plan, device, sorted({tuple(plan.needs[d].sizes[rows[0]]) for d, rows, _ in work}))
+        if work:
+            check_encoder(plan, device)
         with _PreemptionFlag() as preempted:
             _run(plan, mine, device, num_workers, outcome, comm.rank, progress, preempted)
         outcome["preempted"] = preempted.received
@@ -69,7 +69,7 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
                         f"kept in {plan.config.dir}; {outcome}. The next `lit-dist cache` (or fit with mode build) "
                         "builds only what is missing.")
     return {**total, "needed": sum(len(rows) for _, rows, _ in work), "seconds": time.perf_counter() - started,
-            "ranks": comm.world, "coverage_before": {k: v.summary() for k, v in coverage.items()}}
+            "ranks": comm.world}
 
 
 class _PreemptionFlag:
@@ -225,8 +225,6 @@ class _Builder:
         self.build = new_build_id()
         self.written: dict[str, list[dict]] = {name: [] for name in plan.fields}
         self.writers = {name: self._writer(name) for name in plan.fields}
-        self.mean = torch.tensor(plan.mean, device=device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(plan.std, device=device).view(1, 3, 1, 1) * 255
         self.encoder = plan.encoder.to(device) if plan.encoder is not None else None
         self.captioner = plan.caption_encoder.to(device) if plan.caption_encoder is not None else None
         self.caption_shape = None
@@ -245,7 +243,7 @@ class _Builder:
         todo = [i for i in np.flatnonzero(lacking.get("encoder", [])) if not unreadable[i]]
         if todo:
             crops = torch.from_numpy(np.stack([centre_crop(images[i], *size) for i in todo])).to(self.device)
-            for i, array in zip(todo, _encode(self.encoder, crops, self.mean, self.std, dtype), strict=True):
+            for i, array in zip(todo, _encode(self.encoder, crops, self.plan, dtype), strict=True):
                 made["encoder"][i] = array
         todo = np.flatnonzero(lacking.get("caption_encoder", []))
         if len(todo):
@@ -316,11 +314,10 @@ def _as_is(item):
     return item  # the default collate would turn the arrays into tensors
 
 
-def _encode(encoder, crops: torch.Tensor, mean, std, dtype: str) -> list[np.ndarray]:
+def _encode(encoder, crops: torch.Tensor, plan: CachePlan, dtype: str) -> list[np.ndarray]:
     """Encoder outputs of centre crops (B, H, W, 3) uint8 on the encoder's device, in the stored dtype."""
-    x = (crops.permute(0, 3, 1, 2).float() - mean) / std  # (B, 3, H, W), normalised as training batches are
     with torch.inference_mode():
-        return _stored(encoder(x), dtype)
+        return _stored(encoder(plan.normalised(crops)), dtype)
 
 
 def _stored(out: torch.Tensor, dtype: str) -> list[np.ndarray]:

@@ -66,14 +66,11 @@ def check_cache(data) -> int:
         with ThreadPoolExecutor(4) as pool:  # hashlib releases the GIL
             problems = list(pool.map(lambda s, name=name: store.shard_problem(name, s, True), shards))
         damaged = [(s, p) for s, p in zip(shards, problems, strict=True) if p]
-        stored = sum(s["bytes"] for s in shards)
-        raw = sum(s["raw_bytes"] for s in shards)
         c = coverage[name]
         print(f"  {c.summary()}")
         if c.stale and (other := plan.describe_other(name, c.other_configs)):
             print(f"    stale entries were built for another configuration: {other}")
-        print(f"    {len(shards)} shards, {stored / 1e6:.1f} MB, compression {raw / stored if stored else float('nan'):.2f}x "
-              f"({data.cache.compression})")
+        print(f"    {store.size_summary(name)} ({data.cache.compression})")
         for shard, problem in damaged:
             print(f"    damaged: shard {shard['name']}: {problem}; its {shard['samples']} samples are rebuilt by "
                   "lit-dist cache")

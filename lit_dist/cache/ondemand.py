@@ -96,10 +96,8 @@ class OnDemandFill(Callback):
         job = batch.pop("_encode")
         if next(self.encoder.parameters(), torch.zeros(0)).device != device:
             self.encoder.to(device)
-        mean = torch.tensor(self.plan.mean, device=device).view(1, 3, 1, 1) * 255
-        std = torch.tensor(self.plan.std, device=device).view(1, 3, 1, 1) * 255
         dtype = self.plan.config.encoder_dtype
-        stored = _encode(self.encoder, job["input"], mean, std, dtype)
+        stored = _encode(self.encoder, job["input"], self.plan, dtype)
         for sample, key, array in zip(job["sample"].cpu().numpy().view(np.uint64), job["key"].cpu().numpy().view(np.uint64),
                                       stored, strict=True):
             self._add("encoder", int(sample), int(key), array)

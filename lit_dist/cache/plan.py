@@ -6,10 +6,10 @@ fingerprint, each sample's id and key, and turns the published index into per-da
 views for the loader, with the coverage a user is shown.
 """
 
-import logging
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from lit_dist.cache import keys
 from lit_dist.cache.config import CacheConfig
@@ -17,7 +17,6 @@ from lit_dist.cache.reader import Coverage, FieldIndex
 from lit_dist.cache.store import CacheStore
 from lit_dist.errors import DataError
 
-log = logging.getLogger(__name__)
 STORED_DTYPE = {"pixels": "uint8"}
 
 
@@ -28,7 +27,7 @@ class DatasetNeed:
     images: object  # a BucketImageDataset over all rows of the table, centre crops
     sizes: np.ndarray  # (n, 2) bucket (width, height) of each row
     samples: np.ndarray  # uint64 id of each row
-    identity: np.ndarray | None = None  # uint64 version of each source file (size and mtime, or ETag)
+    identity: np.ndarray | None = None  # uint64 version of each source file (size and mtime, or ETag); set by plan_for
     captions: object = None  # pyarrow strings, for a caption encoder
     keys: dict[str, np.ndarray] = field(default_factory=dict)  # field -> uint64 key of each row
 
@@ -42,6 +41,7 @@ class CachePlan:
         self.store = CacheStore(config.dir, storage_options)
         self.needs = needs
         self.mean, self.std = tuple(mean), tuple(std)
+        self._scales: dict = {}  # device -> (mean, std) x 255, made once per device
         self.fields = config.fields()
         self.encoder = self.caption_encoder = None
         # The bucket settings are in every description: entries of another resolution are named as such.
@@ -68,11 +68,15 @@ class CachePlan:
         if name == "caption_encoder":  # the caption's text is its source; the image and bucket play no part
             return keys.entry_keys(need.samples, keys.name_hashes(need.captions), np.zeros_like(need.sizes),
                                    self.fingerprints[name])
-        return keys.entry_keys(need.samples, self.identity(need), need.sizes, self.fingerprints[name])
+        return keys.entry_keys(need.samples, need.identity, need.sizes, self.fingerprints[name])
 
-    @staticmethod
-    def identity(need: DatasetNeed) -> np.ndarray:
-        return need.identity if need.identity is not None else np.zeros(len(need.samples), np.uint64)
+    def normalised(self, crops: torch.Tensor) -> torch.Tensor:
+        """Encoder input: uint8 crops (B, H, W, 3) as float (B, 3, H, W), normalised as training batches are."""
+        if crops.device not in self._scales:
+            mean = torch.tensor(self.mean, device=crops.device).view(1, 3, 1, 1) * 255
+            self._scales[crops.device] = mean, torch.tensor(self.std, device=crops.device).view(1, 3, 1, 1) * 255
+        mean, std = self._scales[crops.device]
+        return (crops.permute(0, 3, 1, 2).float() - mean) / std
 
     def dtype(self, name: str) -> str:
         return STORED_DTYPE.get(name, self.config.encoder_dtype)

@@ -6,7 +6,6 @@ that byte range and nothing else: a slice of the memory-mapped shard locally, on
 GET on an object store.
 """
 
-import logging
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,6 @@ import numpy as np
 from lit_dist.cache.keys import _combine
 from lit_dist.cache.shards import CorruptEntry, decode, read_index
 
-log = logging.getLogger(__name__)
 MISSING = -1
 
 
@@ -134,9 +132,6 @@ class FieldView:
         """The entries of ``positions`` only (for a split pickled to a spawned worker)."""
         return FieldView(self.field, self.dtype, self.urls, self.storage_options, self.shard[positions],
                          self.offset[positions], self.length[positions], self.crc[positions])
-
-    def covered(self) -> np.ndarray:
-        return (self.shard >= 0) & (self.length > 0)
 
     def read(self, position: int) -> np.ndarray:
         """The cached array of the sample at table ``position``; MissingEntry or CorruptEntry otherwise."""

@@ -223,6 +223,13 @@ class CacheStore:
             return "does not match its sha256 (corrupted)"
         return None
 
+    def size_summary(self, field: str) -> str:
+        """``N shards, X MB, compression Rx`` of a field's published shards, from the manifest alone."""
+        shards = self.manifest(field)["shards"]
+        stored, raw = sum(s["bytes"] for s in shards), sum(s["raw_bytes"] for s in shards)
+        ratio = f", compression {raw / stored:.2f}x" if stored else ""
+        return f"{len(shards)} shards, {stored / 1e6:.1f} MB{ratio}"
+
     def bytes_on_disk(self) -> int:
         self.refresh()
         if not self.fs.exists(self.root):
