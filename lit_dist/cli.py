@@ -6,9 +6,11 @@
     lit-dist plan --config configs/quickstart.yaml --trainer.devices 8 --trainer.num_nodes 4
     lit-dist index /datasets/photos --output photos.parquet
     lit-dist cache --config configs/latent_quickstart.yaml [--check]
+    lit-dist --help                     # every subcommand (the table in lit_dist/commands/__init__.py)
 """
 
 import argparse
+import inspect
 import logging
 import os
 import sys
@@ -16,12 +18,12 @@ import warnings
 
 from lightning.pytorch.cli import LightningCLI
 
+from lit_dist.commands import COMMANDS, NAMES, usage
 from lit_dist.errors import ExitCode, LitDistError, explain_parse_error
 from lit_dist.run import RunConfig, run_dir
 
 MODEL = "lit_dist.module.LitModel"
 DATA = "lit_dist.data.datamodule.BucketDataModule"
-SUBCOMMANDS = ("fit", "validate", "test", "predict", "plan", "index", "export", "cache")
 
 
 class LitDistCLI(LightningCLI):
@@ -41,7 +43,8 @@ class LitDistCLI(LightningCLI):
         show_all = any(a in ("-h", "--help") for a in argv)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a rerun never aborts on config.yaml
         # exit_on_error=False: main() turns parse errors into one line instead of a usage wall.
-        kwargs.setdefault("parser_kwargs", {"exit_on_error": False, "description": "lit-dist: training from one YAML file."})
+        kwargs["parser_kwargs"] = {"exit_on_error": False, "description": "lit-dist: training from one YAML file.",
+                                   **kwargs.get("parser_kwargs", {})}
         if show_all:
             from lit_dist.data.datamodule import BucketDataModule
 
@@ -158,8 +161,9 @@ class LitDistCLI(LightningCLI):
         print(f"  watch it:      tensorboard --logdir {run_path}\n", flush=True)
 
 
-class PlanCLI(LitDistCLI):
-    """Parses a run config and builds the model and data module, but no Trainer: nothing touches a GPU."""
+class RunConfigCLI(LitDistCLI):
+    """Parses a run config and builds the model and data module, but no Trainer: nothing touches a GPU.
+    ``instantiate_trainer()`` builds the Trainer for a command that needs one."""
 
     def instantiate_classes(self) -> None:
         self.config_init = self.parser.instantiate_classes(self.config)
@@ -169,30 +173,40 @@ class PlanCLI(LitDistCLI):
 
 
 def _dispatch(argv: list[str]) -> int | None:
-    """Run lit-dist's own subcommands (plan, index, export, cache); None for the LightningCLI ones."""
-    if argv[:1] == ["cache"]:
-        from lit_dist.cache.command import cache
-
-        return cache(LitDistCLI, argv[1:])
-    if argv[:1] == ["plan"]:
-        from lit_dist.plan import plan
-
-        return plan(PlanCLI(args=argv[1:], run=False))
-    if argv[:1] == ["export"]:
+    """Run one of lit-dist's own subcommands (the table in lit_dist/commands); None for Lightning's."""
+    if not argv or (argv[0] in ("-h", "--help") and not set(argv) & set(NAMES)):
+        # LightningCLI's own top-level help would list only Lightning's four subcommands.
+        print(usage(), end="", file=sys.stdout if argv else sys.stderr)
+        if not argv:
+            print("lit-dist: error: name a command, e.g. lit-dist fit --config configs/quickstart.yaml", file=sys.stderr)
+        return int(ExitCode.OK if argv else ExitCode.CONFIG_ERROR)
+    if argv[0] not in NAMES and not argv[0].startswith("-"):
+        print(f"lit-dist: error: unknown command {argv[0]!r}; the commands are {', '.join(NAMES)} (lit-dist --help)",
+              file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        return None
+    function, prog = command.function(), f"lit-dist {argv[0]}"
+    if not command.run_config:
         from jsonargparse import CLI
 
-        from lit_dist.export import export
-
-        CLI(export, args=argv[1:], prog="lit-dist export", exit_on_error=False)
+        CLI(function, args=argv[1:], prog=prog, exit_on_error=False)
         return int(ExitCode.OK)
-    if argv[:1] == ["index"]:
-        from jsonargparse import CLI
+    # The command's own flags: its parameters after the run config, each a bool given as --name.
+    flags = {f"--{name}": name for name in list(inspect.signature(function).parameters)[1:]}
+    rest = [a for a in argv[1:] if a not in flags]
+    cli = RunConfigCLI(args=rest, run=False, parser_kwargs={"prog": prog, "description": _describe(function)})
+    return function(cli, **{flags[a]: True for a in argv[1:] if a in flags})
 
-        from lit_dist.index import index
 
-        CLI(index, args=argv[1:], prog="lit-dist index", exit_on_error=False)
-        return int(ExitCode.OK)
-    return None
+def _describe(function) -> str:
+    """A run-config command's ``--help`` description: its docstring's summary and its own flags."""
+    from docstring_parser import parse  # jsonargparse[signatures] reads docstrings with it too
+
+    doc = parse(inspect.getdoc(function) or "")
+    flags = [f"--{p.arg_name}: {p.description}" for p in doc.params[1:]]
+    return "\n".join(filter(None, [doc.short_description, doc.long_description, *flags]))
 
 
 def _silence_lightning_noise() -> None:
@@ -249,7 +263,7 @@ def main(args: list[str] | None = None) -> None:
             sys.exit(code)
         LitDistCLI(args=argv)
     except argparse.ArgumentError as err:
-        subcommand = next((a for a in argv if a in SUBCOMMANDS), "fit")
+        subcommand = next((a for a in argv if a in NAMES), "fit")
         print(f"lit-dist: error: {explain_parse_error(str(err))}", file=sys.stderr)
         print(f"  Fix it in the config file or on the command line; `lit-dist {subcommand} --help` lists every option.",
               file=sys.stderr)

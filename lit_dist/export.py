@@ -1,12 +1,7 @@
 """Consolidated model files: a plain ``state_dict`` of the wrapped network, loadable without lit-dist.
 
-    lit-dist export runs/my-run/slurm-123/checkpoints/step-000004000 --output model.pt
-    lit-dist export runs/my-run/slurm-123/checkpoints --output model.pt    # the newest usable one
-
-    net = MyNet(...)
-    net.load_state_dict(torch.load("model.pt", weights_only=True))
-
-Works for a lit-dist checkpoint folder (verified against its manifest first), a Lightning
+Used by the end-of-fit ExportModel callback and by ``lit-dist export`` (lit_dist/commands/export.py).
+Reads a lit-dist checkpoint folder (verified against its manifest first), a Lightning
 checkpoint file (DDP, single device, FSDP full), a sharded folder (FSDP2 / FSDP1 sharded,
 torch.distributed.checkpoint) and a DeepSpeed ZeRO folder.
 """
@@ -102,17 +97,3 @@ def _deepspeed_state(path: str) -> dict:
                         "pip install --no-build-isolation deepspeed") from exc
     return get_fp32_state_dict_from_zero_checkpoint(path)
 
-
-def export(checkpoint: str, output: str = "model.pt") -> None:
-    """Write the wrapped network of a checkpoint as a plain full-precision state_dict.
-
-    Args:
-        checkpoint: A checkpoint file (.ckpt) or folder (FSDP sharded, DeepSpeed ZeRO) written by lit-dist or Lightning.
-        output: Where to write the state_dict (torch.save); load it with torch.load(output, weights_only=True).
-    """
-    if not os.path.exists(checkpoint):
-        raise DataError(f"checkpoint {checkpoint!r} does not exist")
-    state = to_full_precision(strip_prefix(load_checkpoint_state(checkpoint)))
-    save_atomically(state, output)
-    count = sum(v.numel() for v in state.values())
-    print(f"lit-dist export: {len(state)} tensors ({count:,} values) from {checkpoint} -> {output}")

@@ -7,5 +7,6 @@
     encoders.py   the frozen encoder named in the config, its identity, and the VAE adapter
     build.py      every rank builds its share of what is missing; rank 0 publishes
     reader.py     per-sample lookups for the loader workers
-    command.py    ``lit-dist cache`` and ``lit-dist cache --check``
+
+The ``lit-dist cache`` command (build, ``--check``) is ``lit_dist/commands/cache.py``.
 """

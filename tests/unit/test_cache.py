@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from lit_dist.cache.command import check_cache
 from lit_dist.cache.config import CacheConfig
 from lit_dist.cache.shards import ShardWriter, decode, read_index
+from lit_dist.commands.cache import check_cache
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, DataError
 

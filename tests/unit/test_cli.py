@@ -75,6 +75,17 @@ def test_several_configs_and_dotted_overrides_apply_in_order(tmp_path):
     assert config["model"]["init_args"]["net"]["class_path"] == "lit_dist.models.SimpleCNN"
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h", None])
+def test_top_level_help_lists_every_command_with_its_line(flag):
+    out = lit_dist(*([flag] if flag else []))
+    assert out.returncode == (0 if flag else ExitCode.CONFIG_ERROR), out.stderr[-2000:]
+    text = out.stdout if flag else out.stderr
+    for name in ("fit", "validate", "test", "predict", "plan", "index", "export", "cache"):
+        line = re.search(rf"^  {name}\s+(\S.*)$", text, re.M)
+        assert line and len(line.group(1)) > 20, f"{name} missing from lit-dist {flag or ''}:\n{text}"
+    assert "lit-dist fit --help" in text
+
+
 def test_help_lists_every_knob_with_a_description():
     out = lit_dist("fit", "--help")
     assert out.returncode == 0, out.stderr

@@ -11,10 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 from lit_dist.errors import ConfigError, ExitCode
 
 
-def cache(cli_class, argv: list[str]) -> int:
-    """Run the command on parsed ``argv`` (a run config); returns the exit code."""
-    check = "--check" in argv
-    cli = cli_class(args=[a for a in argv if a != "--check"], run=False)
+def cache(cli, check: bool = False) -> int:
+    """Build the run's cache of pixels / encoder outputs on every rank, or report on it; returns the exit code.
+
+    Args:
+        cli: The run config, given as for fit: --config FILE and dotted overrides.
+        check: Report coverage, damaged shards, bytes on disk and compression instead of building
+            (exit 3 when the cache is incomplete or damaged).
+    """
     data = cli.datamodule
     if getattr(data, "cache", None) is None:
         raise ConfigError("data.cache.dir is not set (or data.cache.mode is off): nothing to build. Add e.g. "
@@ -24,7 +28,7 @@ def cache(cli_class, argv: list[str]) -> int:
         return check_cache(data)
     from lit_dist.distributed import run_on_every_rank
 
-    trainer = cli.trainer
+    trainer = cli.instantiate_trainer()
     return run_on_every_rank(trainer, lambda: _build(trainer, data))
 
 

@@ -1,0 +1,28 @@
+"""``lit-dist export CKPT --output model.pt``: any checkpoint's network as a plain full-precision state_dict.
+
+    lit-dist export runs/my-run/slurm-123/checkpoints/step-000004000 --output model.pt
+    lit-dist export runs/my-run/slurm-123/checkpoints --output model.pt    # the newest usable one
+
+    net = MyNet(...)
+    net.load_state_dict(torch.load("model.pt", weights_only=True))
+"""
+
+import os
+
+from lit_dist.errors import DataError
+from lit_dist.export import load_checkpoint_state, save_atomically, strip_prefix, to_full_precision
+
+
+def export(checkpoint: str, output: str = "model.pt") -> None:
+    """Write the wrapped network of a checkpoint as a plain full-precision state_dict.
+
+    Args:
+        checkpoint: A checkpoint file (.ckpt) or folder (FSDP sharded, DeepSpeed ZeRO) written by lit-dist or Lightning.
+        output: Where to write the state_dict (torch.save); load it with torch.load(output, weights_only=True).
+    """
+    if not os.path.exists(checkpoint):
+        raise DataError(f"checkpoint {checkpoint!r} does not exist")
+    state = to_full_precision(strip_prefix(load_checkpoint_state(checkpoint)))
+    save_atomically(state, output)
+    count = sum(v.numel() for v in state.values())
+    print(f"lit-dist export: {len(state)} tensors ({count:,} values) from {checkpoint} -> {output}")
