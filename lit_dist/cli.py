@@ -89,16 +89,15 @@ class LitDistCLI(LightningCLI):
         run = RunConfig(**vars(config.run))
         config.run.run_id, path = run_dir(run)
         config.trainer.default_root_dir = path
-        from lit_dist.strategies import prepare_strategy
-
-        prepare_strategy(config)
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-        from lit_dist.slurm import apply_launch_layout
+        from lit_dist.launch import apply_launch_layout
+        from lit_dist.strategies import prepare_strategy
 
-        filled = apply_launch_layout(config.trainer)
+        filled = apply_launch_layout(config.trainer)  # first: the strategy checks size the run by it
         if filled and rank_zero_only.rank == 0:  # the launcher's rank: no process group yet
             print(f"lit-dist: from the launcher: {', '.join(filled)}", flush=True)
+        prepare_strategy(config)
         if config.trainer.enable_checkpointing is False:
             # lit-dist's Checkpointing is a Lightning Checkpoint, which Lightning refuses next to this flag.
             config.trainer.enable_checkpointing = True

@@ -11,6 +11,8 @@ from datetime import timedelta
 
 import torch
 
+from lit_dist.launch import launcher_environment  # it lives with the rest of the launch layout
+
 
 def agree_any(trainer, flag: bool) -> bool:
     """True on every rank if ``flag`` is true on any rank: one small all-reduce (none on a single process)."""
@@ -133,21 +135,6 @@ def _raised_elsewhere(rank: int, described: tuple[str, str, int | None], what: s
     error = LitDistError(text)
     error.exit_code = ExitCode(code)
     return error
-
-
-def launcher_environment():
-    """Lightning's cluster environment of the launcher that started this process (torchrun, srun), or None
-    when it was started alone. Inside a Trainer Lightning picks it itself; commands without one ask here."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-
-    from lit_dist.slurm import in_slurm_step
-
-    # torchrun first: started inside an srun task, its own RANK and WORLD_SIZE are the ones that count.
-    if TorchElasticEnvironment.detect():
-        return TorchElasticEnvironment()
-    if in_slurm_step():
-        return SLURMEnvironment(auto_requeue=False)
-    return None
 
 
 @contextmanager

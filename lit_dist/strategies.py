@@ -249,7 +249,7 @@ def prepare_strategy(config) -> None:
     """
     from lightning.pytorch.utilities import rank_zero_warn
 
-    from lit_dist.plan import world_size
+    from lit_dist.launch import world_size
 
     if config.trainer.precision is None:
         config.trainer.precision = default_precision(config.trainer)

@@ -9,7 +9,7 @@ import math
 import os
 
 from lit_dist.errors import ExitCode, LitDistError
-from lit_dist.plan import world_size
+from lit_dist.launch import world_size
 
 
 def plan(cli) -> int:

@@ -1,7 +1,7 @@
 from types import SimpleNamespace
 
 from lit_dist.errors import ExitCode
-from lit_dist.plan import world_size
+from lit_dist.launch import world_size
 from tests.conftest import CONFIGS, lit_dist
 
 
@@ -28,9 +28,16 @@ def test_plan_fails_before_anything_starts_when_buckets_are_too_small(demo_data)
     assert "no problems found" in out.stdout
 
 
-def test_world_size_follows_the_config_then_slurm():
+def test_world_size_follows_the_config_then_the_launcher_or_allocation():
     trainer = SimpleNamespace(devices=4, num_nodes=2, accelerator="auto")
     assert world_size(trainer, {}) == (8, 4, 2)
     auto = SimpleNamespace(devices="auto", num_nodes=1, accelerator="auto")
-    assert world_size(auto, {"SLURM_NTASKS_PER_NODE": "8", "SLURM_NNODES": "3"}) == (24, 8, 3)
+    # An salloc shell: the allocation, read as fit reads it inside the job step.
+    allocation = {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "interactive", "SLURM_NNODES": "3", "SLURM_NTASKS_PER_NODE": "8"}
+    assert world_size(auto, allocation) == (24, 8, 3)
+    step = {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "6", "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_TASKS_PER_NODE": "3(x2)"}
+    assert world_size(auto, step) == (6, 3, 2)
+    torchrun = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}
+    assert world_size(auto, torchrun) == (8, 4, 2)
     assert world_size(SimpleNamespace(devices=[0, 1], num_nodes=1, accelerator="gpu"), {}) == (2, 2, 1)
