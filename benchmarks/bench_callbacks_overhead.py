@@ -55,7 +55,7 @@ def main() -> None:
         "--trainer.callbacks.device_index", "0",
         "--trainer.callbacks+=lit_dist.callbacks.webhooks.WebhookNotifier",
         "--trainer.callbacks.sinks", '[{"kind": "raw", "url_env": "BENCH_HOOK_URL"}]',
-        "--trainer.callbacks.progress_every_s", "5", "--trainer.callbacks.flush_timeout_s", "0"]
+        "--control.progress_every_s", "5", "--trainer.callbacks.flush_timeout_s", "0"]
     results: dict[str, list[float]] = {"with": [], "without": []}
     for i in range(args.repeats):
         order = (("with", with_callbacks), ("without", base)) if i % 2 == 0 else (("without", base), ("with", with_callbacks))

@@ -66,8 +66,10 @@ class LitDistCLI(LightningCLI):
         from lit_dist.callbacks.checkpoint import Checkpointing
         from lit_dist.callbacks.export import ExportModel
         from lit_dist.callbacks.preemption import Preemption
+        from lit_dist.control import RunControl
 
         parser.add_class_arguments(RunConfig, "run")
+        parser.add_lightning_class_args(RunControl, "control")
         parser.add_lightning_class_args(Checkpointing, "checkpoint")
         parser.add_lightning_class_args(Preemption, "preemption")
         parser.add_lightning_class_args(ExportModel, "export")
@@ -111,10 +113,8 @@ class LitDistCLI(LightningCLI):
 
     def _resolve_ckpt_path(self) -> None:
         """``ckpt_path: auto`` (the default) -> the newest usable checkpoint of this run, or None."""
-        from lit_dist.callbacks.checkpoint import Checkpointing
-
         arguments = self.config_init[self.subcommand]
-        checkpointing = Checkpointing.of(self.trainer)
+        checkpointing = arguments.get("checkpoint")  # the instance the `checkpoint` group made
         if checkpointing is not None:
             arguments["ckpt_path"] = checkpointing.resolve_ckpt_path(self.trainer, arguments.get("ckpt_path"))
         elif arguments.get("ckpt_path") == "auto":
@@ -152,9 +152,7 @@ class LitDistCLI(LightningCLI):
         shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "no validation metrics"
         print(f"\nlit-dist: {what} finished: {shown}")
         print(f"  run directory: {run_path}")
-        from lit_dist.callbacks.checkpoint import Checkpointing
-
-        checkpointing = Checkpointing.of(trainer)
+        checkpointing = self.config_init[self.subcommand].get("checkpoint")
         if what == "fit" and checkpointing is not None and checkpointing.last_path:
             print(f"  checkpoint:    {checkpointing.last_path}")
         print(f"  watch it:      tensorboard --logdir {run_path}\n", flush=True)

@@ -12,9 +12,10 @@ their ``should_stop``). Layout of ``dirpath`` (default ``{run_dir}/checkpoints``
   DeepSpeed) every rank writes its part and rank 0 writes the marker once all are done. A
   checkpoint counts only once its marker exists (see ``lit_dist.ckpt.store``).
 - Saves happen every ``every_n_steps`` optimizer steps, every ``every_n_epochs`` epochs, every
-  ``every_n_minutes`` (all ranks agree through one small all-reduce every ``check_every_n_steps``
-  steps: their clocks differ), after each validation when ``monitor`` is set, at the end of
-  ``fit`` (``save_last``) and on request (``save()``: preemption, GPU faults).
+  ``every_n_minutes`` (a fact shared with the run control, since the ranks' clocks differ: all
+  ranks save at the same step once any of them is due), after each validation when ``monitor``
+  is set, at the end of ``fit`` (``save_last``) and when the run control asks (preemption, GPU
+  faults): this callback is the run control's saver.
 - Rotation runs after a save succeeded: it keeps the newest ``keep_last_n``, the best
   ``keep_best_k`` by ``monitor`` and always the checkpoint this run resumed from.
 - ``async_save: true`` copies the state aside (a fraction of a second) and writes it on a thread
@@ -24,7 +25,7 @@ their ``should_stop``). Layout of ``dirpath`` (default ``{run_dir}/checkpoints``
 - ``ckpt_path: auto`` (the CLI default) resumes from the newest checkpoint whose files match its
   manifest; damaged ones are reported and skipped.
 
-Events: ``checkpoint.saved`` through a ``WebhookNotifier`` (step, epoch, path, bytes, seconds).
+Events: ``checkpoint.saved`` through the run control's publisher (step, epoch, path, bytes, seconds).
 
 Example::
 
@@ -52,6 +53,7 @@ from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.snapshot import Snapshot
 from lit_dist.ckpt.state import as_next_epoch_start, rank_zero_writes, rng_state, set_rng_state
 from lit_dist.ckpt.store import MARKER, PROBE, STATE, CheckpointStore, checkpoint_name
+from lit_dist.control import Agreed, Event, RunControl
 from lit_dist.distributed import agree_any, all_gather_object
 from lit_dist.errors import CheckpointError, ConfigError
 from lit_dist.run import RUN_ID_ENV, process_age_s
@@ -75,7 +77,6 @@ class Checkpointing(Checkpoint):
         keep_best_k: int = 1,
         async_save: bool = False,
         verify_checksums: bool = True,
-        check_every_n_steps: int = 10,
         storage_options: dict | None = None,
     ):
         """Checkpoint settings.
@@ -92,7 +93,6 @@ class Checkpointing(Checkpoint):
             keep_best_k: Best checkpoints by monitor kept on top of the newest keep_last_n.
             async_save: Write checkpoints on a background thread after a quick copy of the state (DDP and single device).
             verify_checksums: Check every file's sha256 against the manifest before resuming (not just its size).
-            check_every_n_steps: Steps between the all-reduces that agree on every_n_minutes saves.
             storage_options: fsspec options for a remote dirpath (endpoint_url, region...); credentials come from the environment.
         """
         problems = []
@@ -100,7 +100,7 @@ class Checkpointing(Checkpoint):
             problems.append(f"checkpoint.keep_last_n: {keep_last_n} must be at least 2 so that a damaged newest "
                             "checkpoint has a fallback; set keep_last_n: 2 or more")
         for field, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs),
-                             ("every_n_minutes", every_n_minutes), ("check_every_n_steps", check_every_n_steps)):
+                             ("every_n_minutes", every_n_minutes)):
             if value is not None and value <= 0:
                 problems.append(f"checkpoint.{field}: {value} must be positive; use null to turn it off")
         if mode not in ("min", "max"):
@@ -119,7 +119,6 @@ class Checkpointing(Checkpoint):
         self.keep_best_k = keep_best_k
         self.async_save = async_save
         self.verify_checksums = verify_checksums
-        self.check_every_n_steps = check_every_n_steps
         self.storage_options = storage_options or {}
         self.resumed_from: str | None = None  # never deleted by rotation
         self.last_path: str | None = None  # the newest complete checkpoint this run wrote
@@ -132,14 +131,24 @@ class Checkpointing(Checkpoint):
         self._last_seen_step = -1
         self._last_save_time = time.monotonic()
         self._rng: list | None = None
+        self._control: RunControl | None = None
 
     def __repr__(self) -> str:
         return f"Checkpointing(dirpath={self.dirpath!r})"
 
-    @staticmethod
-    def of(trainer) -> "Checkpointing | None":
-        """The trainer's Checkpointing callback, if it has one."""
-        return next((c for c in trainer.checkpoint_callbacks if isinstance(c, Checkpointing)), None)
+    def connect(self, control: RunControl) -> None:
+        """Become the run control's saver; share whether a time-based save is due on this rank."""
+        self._control = control
+        control.set_saver(self)
+        control.share("checkpoint.save_due", "max", lambda: 1.0 if self._time_due() else 0.0)
+        control.on_agreed(self._decide)
+
+    def _time_due(self) -> bool:
+        return bool(self.every_n_minutes) and time.monotonic() - self._last_save_time >= self.every_n_minutes * 60
+
+    def _decide(self, trainer, agreed: Agreed) -> None:
+        if agreed["checkpoint.save_due"]:
+            self._control.request_save("time")
 
     # -- where ------------------------------------------------------------------------------
 
@@ -267,6 +276,9 @@ class Checkpointing(Checkpoint):
                                   + f"); the checkpoint folder {store.url} changed while the run started. Start it again.")
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.every_n_minutes and self._control is None:
+            raise ConfigError("checkpoint.every_n_minutes needs lit_dist.control.RunControl among the trainer's "
+                              "callbacks (lit-dist fit adds it; add RunControl() when building a Trainer yourself)")
         # As late as possible: whatever ran since the checkpoint was loaded must not shift the streams.
         if self._rng is not None:
             if len(self._rng) == trainer.world_size:
@@ -296,10 +308,6 @@ class Checkpointing(Checkpoint):
         if self.save_last and (trainer.should_stop or 0 < trainer.max_steps <= step
                                or (last_batch and epochs_done >= (trainer.max_epochs or 0) > 0)):
             reason = "end"
-        if self.every_n_minutes and step % self.check_every_n_steps == 0:
-            late = time.monotonic() - self._last_save_time >= self.every_n_minutes * 60
-            if agree_any(trainer, late):
-                reason = reason or "time"
         if reason:
             self.save(trainer, reason)
 
@@ -426,12 +434,11 @@ class Checkpointing(Checkpoint):
         size = sum(entry.size for entry in files.values())
         log.info("lit-dist: saved %s (%.1f MB in %.2f s)%s", self.last_path, size / 1e6, seconds,
                  f"; removed {', '.join(deleted)}" if deleted else "")
-        from lit_dist.callbacks.webhooks import notifiers
-
-        for notifier in notifiers(trainer):
-            notifier.notify("checkpoint.saved", "info", f"Checkpoint at step {manifest['step']}", self.last_path,
-                            {"step": manifest["step"], "epoch": manifest["epoch"], "path": self.last_path,
-                             "bytes": size, "seconds": round(seconds, 3), "reason": manifest["reason"]})
+        if self._control is not None:
+            self._control.publish(Event(
+                "checkpoint.saved", "info", f"Checkpoint at step {manifest['step']}", self.last_path,
+                {"step": manifest["step"], "epoch": manifest["epoch"], "path": self.last_path, "bytes": size,
+                 "seconds": round(seconds, 3), "reason": manifest["reason"]}))
 
     def wait_for_save(self, trainer) -> None:
         """Wait for the save in flight; every rank learns whether it failed (a collective when saving asynchronously)."""

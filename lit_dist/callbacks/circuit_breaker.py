@@ -10,11 +10,11 @@ on the training thread) and trips on: a new volatile uncorrectable ECC error bey
 ``ecc_threshold``, pending retired pages or a failed row remap, a temperature within
 ``margin_c`` of the GPU's shutdown threshold, or hardware-slowdown / power-brake
 throttling that persists for ``throttle_polls`` polls. Thermal slowdown alone is a
-``gpu.warning``. When it trips, the rank that saw it sends ``gpu.fault`` (with the GPU's
-index, UUID, name, PCI id and readings) to every WebhookNotifier sink; every
-``check_every_n_steps`` steps all ranks agree through one small all-reduce and stop
-together; the process exits with code 10 (README, "Exit codes") so Slurm or Kubernetes
-can drain the node.
+``gpu.warning``. When it trips, the rank that saw it publishes ``gpu.fault`` (with the GPU's
+index, UUID, name, PCI id and readings) to the webhooks and the console; the fault is a fact
+shared with the run control (``lit_dist.control``), so at most ``control.sync_every_n_steps`` + 1
+steps later all ranks stop together at the same step and exit with code 10 (README, "Exit
+codes") so Slurm or Kubernetes can drain the node.
 
 It logs (from the thread's last reading, on logging steps):
 
@@ -39,8 +39,8 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_dist.distributed import agree_any
-from lit_dist.errors import ExitCode, LitDistError
+from lit_dist.control import Agreed, Event, RunControl, Stop
+from lit_dist.errors import ConfigError, ExitCode, LitDistError
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,6 @@ class GPUCircuitBreaker(Callback):
     def __init__(
         self,
         poll_interval_s: float = 5.0,
-        check_every_n_steps: int = 10,
         ecc_threshold: int = 0,
         margin_c: float = 5.0,
         throttle_polls: int = 3,
@@ -170,7 +169,6 @@ class GPUCircuitBreaker(Callback):
 
         Args:
             poll_interval_s: Seconds between NVML polls of this rank's GPU (on a background thread).
-            check_every_n_steps: Steps between the all-reduces in which all ranks agree to stop.
             ecc_threshold: New volatile uncorrectable ECC errors tolerated before tripping (0: none).
             margin_c: Trip when the temperature is within this many degrees C of the GPU's shutdown threshold.
             throttle_polls: Polls in a row of hardware-slowdown or power-brake throttling before tripping.
@@ -179,7 +177,6 @@ class GPUCircuitBreaker(Callback):
             device_index: NVML index of the GPU to watch; default: this rank's CUDA device.
         """
         self.poll_interval_s = poll_interval_s
-        self.check_every_n_steps = check_every_n_steps
         self.judge = Judge(ecc_threshold, margin_c, throttle_polls)
         self.save_checkpoint = save_checkpoint
         self.nvml_module = nvml_module
@@ -190,13 +187,24 @@ class GPUCircuitBreaker(Callback):
         self.fault: str | None = None
         self._warned: set[str] = set()
         self._reported = False
+        self._control: RunControl | None = None
+        self._stopping = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- setup ------------------------------------------------------------------------------
 
+    def connect(self, control: RunControl) -> None:
+        self._control = control
+        control.share("gpu.fault", "max", lambda: 1.0 if self.fault else 0.0)
+        control.on_agreed(self._decide)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self._control is None:
+            raise ConfigError("GPUCircuitBreaker needs lit_dist.control.RunControl among the trainer's callbacks "
+                              "(lit-dist fit adds it; add RunControl() when building a Trainer yourself)")
+
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self._trainer = trainer  # to find the WebhookNotifier among the trainer's callbacks
         if stage != "fit" or self._thread is not None:
             return
         device = trainer.strategy.root_device
@@ -233,14 +241,7 @@ class GPUCircuitBreaker(Callback):
     # -- every step boundary --------------------------------------------------------------------
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # The agreement runs on every rank (enabled or not) at the same steps, decided by the step
-        # counter alone: a collective that only some ranks reach would hang the others.
-        if self.fault and not self._reported:
-            self._reported = True  # the rank that saw it reports it, first
-            self._webhook("gpu.fault", "critical", f"GPU {self.index} fault", self.fault)
-        if trainer.global_step % self.check_every_n_steps == 0:
-            if agree_any(trainer, bool(self.fault)):
-                self._stop_run(trainer)
+        self._report_fault()
         if self.last is not None and trainer.global_step % trainer.log_every_n_steps == 0:
             values = {"gpu/temperature_c": self.last.temperature_c, "gpu/power_w": self.last.power_w,
                       "gpu/memory_used_gb": self.last.memory_used_gb, "gpu/utilization": self.last.utilization,
@@ -249,20 +250,23 @@ class GPUCircuitBreaker(Callback):
                 if value is not None:
                     pl_module.log(name, float(value), rank_zero_only=True)
 
-    def _stop_run(self, trainer) -> None:
-        if self.save_checkpoint:
-            from lit_dist.callbacks.checkpoint import Checkpointing
+    def _report_fault(self) -> None:
+        """The rank that saw the fault publishes it, once, before the run stops."""
+        if self.fault and not self._reported:
+            self._reported = True
+            self._webhook("gpu.fault", "critical", f"GPU {self.index} fault", self.fault)
 
-            checkpointing = Checkpointing.of(trainer)
-            if checkpointing is not None:
-                checkpointing.save(trainer, "gpu-fault")
-            else:
-                trainer.save_checkpoint(os.path.join(trainer.default_root_dir, "checkpoints",
-                                                     f"gpu-fault-step={trainer.global_step}.ckpt"))
-        self._flush_webhooks()
+    def _decide(self, trainer, agreed: Agreed) -> None:
+        """Every rank, at the same step: some rank's GPU is faulty, so the run stops (saving first if asked)."""
+        self._report_fault()
+        if not agreed["gpu.fault"] or self._stopping:
+            return
+        self._stopping = True
         where = f"this rank's GPU {self.index}: {self.fault}" if self.fault else "another rank's GPU"
-        raise GPUFault(f"GPU fault on {where}; all ranks stopped at step {trainer.global_step}. Drain this node "
-                       "and requeue elsewhere.")
+        self._control.request_stop(Stop(
+            GPUFault(f"GPU fault on {where}; all ranks stopped at step {trainer.global_step}. Drain this node "
+                     "and requeue elsewhere."),
+            save="gpu-fault" if self.save_checkpoint else None))
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         text = str(exception).lower()
@@ -275,32 +279,24 @@ class GPUCircuitBreaker(Callback):
         if any(needle in text for needle in HARDWARE_ERRORS):
             self.fault = f"CUDA error: {str(exception)[:300]}"
             self._webhook("gpu.fault", "critical", f"GPU {self.index} fault", self.fault)
-            self._flush_webhooks()
+            if self._control is not None:
+                self._control.flush()
             raise GPUFault(f"GPU fault: {self.fault}") from exception
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._stop.set()
 
-    # -- webhooks ---------------------------------------------------------------------------
+    # -- events ---------------------------------------------------------------------------
 
     def _webhook(self, type_: str, severity: str, title: str, reason: str) -> None:
         data = {"reason": reason}
         if self.last is not None:
             data.update({k: v for k, v in asdict(self.last).items() if v is not None and k != "extra"})
-        log.warning("lit-dist: %s: %s", title, reason)
-        for notifier in self._notifiers:
-            notifier.notify(type_, severity, title, reason, data)
-
-    def _flush_webhooks(self) -> None:
-        for notifier in self._notifiers:
-            notifier.flush()
-
-    @property
-    def _notifiers(self) -> list:
-        from lit_dist.callbacks.webhooks import notifiers
-
-        trainer = getattr(self, "_trainer", None)
-        return notifiers(trainer)
+        event = Event(type_, severity, title, f"{title}: {reason}", data)
+        if self._control is not None:
+            self._control.publish(event)  # the console logs it too
+        else:
+            log.warning("lit-dist: %s: %s", title, reason)
 
 
 def nvml_index(nvml, cuda_index: int, uuid: str | None = None) -> int:

@@ -10,16 +10,19 @@ Example (YAML; URLs and tokens come from environment variables or files, never f
               - {kind: discord, url_env: DISCORD_WEBHOOK_URL, min_severity: warning}
               - {kind: raw, url_env: ORCHESTRATOR_URL, auth_header_env: ORCHESTRATOR_TOKEN}
 
-Events (schema 1, see README.md): ``run.started``, ``run.progress`` (rate limited),
-``validation.finished``, ``run.finished``, ``run.failed`` from rank 0; ``checkpoint.saved`` from
-rank 0 through ``Checkpointing`` once the checkpoint is complete;
-``gpu.warning``, ``gpu.fault``, ``run.preempted`` through ``notify`` from whichever rank saw them.
+The notifier is a subscriber of the run control's event publisher (``lit_dist.control``): it
+sends what is published there (schema 1, see README.md): ``run.started``, ``run.progress``,
+``validation.finished``, ``run.finished``, ``run.failed`` and ``run.preempted`` from rank 0,
+``checkpoint.saved`` from rank 0 once the checkpoint is complete, ``gpu.warning`` and ``gpu.fault``
+from the rank whose GPU it is.
 
 Delivery runs on a background thread with a bounded queue: a post has a total deadline,
 retries with exponential backoff and jitter, honours ``429 Retry-After``, never follows a
 redirect (headers such as the auth token would go along), and verifies TLS. A full queue
 drops the oldest progress event first and counts it. At the end of the run (or on an
-error) the queue is flushed within ``flush_timeout_s``, so the last event gets out.
+error) the queue is flushed within ``flush_timeout_s``; the final and fault events (``run.finished``,
+``run.failed``, ``run.preempted``, ``gpu.fault``) are sent at once on their own thread, whatever
+is still queued or stuck before them, so they get their attempt before the flush ends.
 """
 
 import collections
@@ -35,12 +38,15 @@ from datetime import datetime, timezone
 
 from lightning.pytorch import Callback
 
+from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SCHEMA = 1
 SEVERITIES = ("info", "warning", "error", "critical")
+# Sent first when the run ends, past whatever is queued before them (see flush).
+FINAL = ("run.finished", "run.failed", "run.preempted", "gpu.fault")
 DISCORD_COLOURS = {"info": 0x3498DB, "warning": 0xF1C40F, "error": 0xE74C3C, "critical": 0x8E44AD}
 
 
@@ -85,13 +91,12 @@ class WebhookSink:
 
 
 class WebhookNotifier(Callback):
-    """Sends run events to every configured sink from a background thread."""
+    """Sends the run control's events to every configured sink from a background thread."""
 
     def __init__(
         self,
         sinks: list[WebhookSink] | None = None,
         sinks_file: str | None = None,
-        progress_every_s: float = 600.0,
         deadline_s: float = 15.0,
         max_retries: int = 5,
         queue_size: int = 256,
@@ -102,7 +107,6 @@ class WebhookNotifier(Callback):
         Args:
             sinks: Destinations, each with kind, url_env or url_file, min_severity.
             sinks_file: Or a webhooks.json file holding a list of sinks in the same form.
-            progress_every_s: At most one run.progress event per this many seconds.
             deadline_s: Total time one event may take to deliver, retries and waits included.
             max_retries: Attempts after the first for a 5xx, a 429 or a network error.
             queue_size: Events waiting at most; beyond it the oldest progress event is dropped.
@@ -116,7 +120,6 @@ class WebhookNotifier(Callback):
             except (OSError, ValueError, TypeError) as exc:
                 raise ConfigError(f"sinks_file = {sinks_file!r}: cannot read a list of sinks from it ({exc})") from exc
         self._sinks = [(s, s.resolve_url(f"sinks[{i}]")) for i, s in enumerate(specs)]
-        self.progress_every_s = progress_every_s
         self.deadline_s = deadline_s
         self.max_retries = max_retries
         self.queue_size = queue_size
@@ -128,7 +131,6 @@ class WebhookNotifier(Callback):
         self._cond = threading.Condition()
         self._busy = 0
         self._thread: threading.Thread | None = None
-        self._last_progress = 0.0
         self._context = {"run_id": os.environ.get("LIT_DIST_RUN_ID"), "job_id": os.environ.get("SLURM_JOB_ID"),
                          "host": socket.gethostname(), "rank": int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))}
 
@@ -137,10 +139,11 @@ class WebhookNotifier(Callback):
 
     # -- events -----------------------------------------------------------------------------
 
-    def notify(self, type: str, severity: str, title: str, message: str = "", data: dict | None = None) -> None:
+    def notify(self, type: str, severity: str, title: str, message: str = "", data: dict | None = None,
+               timestamp: str | None = None) -> None:
         """Queue an event for every sink whose min_severity it meets. Never blocks, never raises."""
         event = {"schema": SCHEMA, "type": type, "severity": severity, **self._context,
-                 "timestamp": datetime.now(timezone.utc).isoformat(), "title": title, "message": message,
+                 "timestamp": timestamp or datetime.now(timezone.utc).isoformat(), "title": title, "message": message,
                  "data": data or {}}
         with self._cond:
             if len(self._queue) >= self.queue_size:
@@ -154,46 +157,36 @@ class WebhookNotifier(Callback):
             self._cond.notify()
         self._start()
 
+    def send(self, event: Event) -> None:
+        """The run control's subscription: queue a published event."""
+        self.notify(event.type, event.severity, event.title, event.message, event.data, event.timestamp)
+
+    def connect(self, control: RunControl) -> None:
+        control.subscribe(self)
+
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._context["rank"] = trainer.global_rank
         self._context["run_id"] = os.environ.get("LIT_DIST_RUN_ID") or self._context["run_id"]
 
-    def on_fit_start(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:
-            self.notify("run.started", "info", "Run started", f"{trainer.world_size} processes",
-                        {"world_size": trainer.world_size, "max_epochs": trainer.max_epochs, "max_steps": trainer.max_steps})
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        now = time.monotonic()
-        if trainer.is_global_zero and now - self._last_progress >= self.progress_every_s:
-            self._last_progress = now
-            self.notify("run.progress", "info", f"Step {trainer.global_step}", "",
-                        {"step": trainer.global_step, "epoch": trainer.current_epoch, **_metrics(trainer, "train/")})
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero and not trainer.sanity_checking:
-            self.notify("validation.finished", "info", f"Validation at step {trainer.global_step}", "",
-                        {"step": trainer.global_step, "epoch": trainer.current_epoch, **_metrics(trainer, "val/")})
-
-    def on_fit_end(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero:
-            self.notify("run.finished", "info", "Run finished", "",
-                        {"step": trainer.global_step, "epoch": trainer.current_epoch, **_metrics(trainer, "val/")})
-        self.flush()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        from lit_dist.errors import Preempted
-
-        if trainer.is_global_zero and not isinstance(exception, Preempted):  # that one sent run.preempted
-            self.notify("run.failed", "error", "Run failed", f"{type(exception).__name__}: {exception}"[:1500],
-                        {"exception": type(exception).__name__, "step": trainer.global_step})
-        self.flush()
-
     # -- delivery ---------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every queued event was delivered or given up on; False if the timeout came first."""
+        """Wait until every queued event was delivered or given up on; False if the timeout came first.
+
+        The final and fault events in the queue do not wait behind the others (a failing sink can hold
+        one event for deadline_s, longer than the flush): they are posted at once on their own thread,
+        each within the time the flush has left.
+        """
         deadline = time.monotonic() + (self.flush_timeout_s if timeout_s is None else timeout_s)
+        with self._cond:
+            final = [e for e in self._queue if e["type"] in FINAL]
+            for event in final:
+                self._queue.remove(event)
+            if final:
+                self._busy += 1
+        if final:
+            threading.Thread(target=self._deliver_all, args=(final, deadline), name="lit-dist-webhooks-final",
+                             daemon=True).start()
         with self._cond:
             while self._queue or self._busy:
                 left = deadline - time.monotonic()
@@ -202,6 +195,18 @@ class WebhookNotifier(Callback):
                     return False
                 self._cond.wait(left)
         return True
+
+    def _deliver_all(self, events: list[dict], deadline: float) -> None:
+        import requests
+
+        session = requests.Session()
+        try:
+            for event in events:
+                self._deliver(session, event, deadline)
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -219,51 +224,66 @@ class WebhookNotifier(Callback):
                 event = self._queue.popleft()
                 self._busy += 1
             try:
-                for index, (sink, url) in enumerate(self._sinks):
-                    if SEVERITIES.index(event["severity"]) >= SEVERITIES.index(sink.min_severity):
-                        if self._post(session, sink, url, event):
-                            self.delivered += 1
-                        else:
-                            self.failed += 1
-                            log.warning("lit-dist: webhook sink %d (%s) did not take event %s", index, sink.kind, event["type"])
+                self._deliver(session, event)
             finally:
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
 
-    def _post(self, session, sink: WebhookSink, url: str, event: dict) -> bool:
+    def _deliver(self, session, event: dict, deadline: float | None = None) -> None:
+        """Post ``event`` to every sink that wants it; each post within deadline_s (and ``deadline``)."""
+        for index, (sink, url) in enumerate(self._sinks):
+            if SEVERITIES.index(event["severity"]) < SEVERITIES.index(sink.min_severity):
+                continue
+            until = time.monotonic() + self.deadline_s
+            why = self._post(session, sink, url, event, until if deadline is None else min(until, deadline))
+            if why is None:
+                self.delivered += 1
+            else:
+                self.failed += 1
+                log.warning("lit-dist: webhook sink %d (%s) did not take event %s: %s", index, sink.kind, event["type"], why)
+
+    def _post(self, session, sink: WebhookSink, url: str, event: dict, deadline: float) -> str | None:
+        """Deliver one event to one sink by ``deadline``: None when it was taken, else why not."""
         import requests
 
         body = discord_payload(event) if sink.kind == "discord" else event
         headers = {"Content-Type": "application/json"}
         if sink.kind == "raw" and sink.auth_header_env and os.environ.get(sink.auth_header_env):
             headers["Authorization"] = os.environ[sink.auth_header_env]
-        deadline = time.monotonic() + self.deadline_s
+        why = "no attempt before the deadline"
         for attempt in range(self.max_retries + 1):
             left = deadline - time.monotonic()
             if left <= 0:
-                return False
+                return why
             wait = None
             try:
                 # requests' timeout bounds each read, not the whole post: cap both by the time left.
                 response = session.post(url, data=json.dumps(body), headers=headers, allow_redirects=False,
                                         verify=sink.ca_bundle or True, timeout=(min(5.0, left), left))
-                if 200 <= response.status_code < 300:
-                    return True
-                if response.status_code == 429:
+                code = response.status_code
+                if 200 <= code < 300:
+                    return None
+                if 300 <= code < 400:  # the URL never goes to the log: it is a secret
+                    return (f"HTTP {code} redirect refused: lit-dist never follows redirects (the Authorization "
+                            "header would go along to the new address); configure the final URL")
+                why = f"HTTP {code}"
+                if code == 429:
                     wait = _retry_after(response.headers.get("Retry-After"))
-                elif response.status_code < 500:  # 3xx (never followed) and 4xx: retrying will not help
-                    return False
-            except requests.exceptions.SSLError:
-                return False  # a certificate that does not verify will not verify on a retry
-            except requests.RequestException:
-                pass
+                elif code < 500:  # 4xx: retrying will not help
+                    return why
+            except requests.exceptions.SSLError as exc:
+                return f"TLS verification failed ({type(exc).__name__}); set ca_bundle for a private CA"
+            except requests.RequestException as exc:
+                why = f"{type(exc).__name__}"
+            if attempt == self.max_retries:
+                return f"{why} after {attempt + 1} attempts"  # no backoff after the last one: nothing follows it
             if wait is None:
                 wait = min(8.0, 0.25 * 2**attempt) * (0.5 + random.random())  # exponential backoff, jittered
             if time.monotonic() + wait > deadline:
-                return False
+                return f"{why}; the deadline came before the next retry"
             time.sleep(wait)
-        return False
+        return why
 
 
 def _retry_after(value: str | None) -> float:
@@ -271,10 +291,6 @@ def _retry_after(value: str | None) -> float:
         return max(0.0, float(value))
     except (TypeError, ValueError):
         return 1.0
-
-
-def _metrics(trainer, prefix: str) -> dict:
-    return {k: round(float(v), 6) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
 
 
 def discord_payload(event: dict) -> dict:
@@ -291,8 +307,3 @@ def discord_payload(event: dict) -> dict:
         "embeds": [{"title": event["title"][:256], "description": (event["message"] or event["type"])[:4096],
                     "color": DISCORD_COLOURS[event["severity"]], "timestamp": event["timestamp"], "fields": fields[:25]}],
     }
-
-
-def notifiers(trainer) -> list["WebhookNotifier"]:
-    """The trainer's WebhookNotifier callbacks, for other callbacks that send events through them."""
-    return [c for c in getattr(trainer, "callbacks", []) if isinstance(c, WebhookNotifier)]

@@ -26,6 +26,8 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_dist.cache.config import CacheConfig
+from lit_dist.control import RunControl
+from lit_dist.data.health import BadSamples
 from lit_dist.data.sources import DatasetSource
 from lit_dist.errors import ConfigError, DataError
 
@@ -134,9 +136,7 @@ class BucketDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.max_image_pixels = max_image_pixels
-        from lit_dist.callbacks.data_health import BadSampleMonitor
-
-        self.monitor = BadSampleMonitor(max_bad_fraction)
+        self.bad_samples = BadSamples(max_bad_fraction)
         self.storage_options = storage_options
         self.create_demo_if_missing = create_demo_if_missing
         self.demo_num_images = demo_num_images
@@ -201,11 +201,12 @@ class BucketDataModule(LightningDataModule):
         self.classes = merge_labels([meta for meta, _, _ in parts])
         return parts
 
+    def connect(self, control: RunControl) -> None:
+        """Take part in the run control (called by it at setup): the bad-sample count is a shared fact."""
+        self.bad_samples.connect(control)
+
     def setup(self, stage: str) -> None:
         trainer = self.trainer
-        if trainer is not None and self.monitor not in trainer.callbacks:
-            # The monitor's counts come from this module's batches, so the module brings it along.
-            trainer.callbacks.append(self.monitor)
         if self._splits:
             return
         from lit_dist.distributed import Comm
@@ -395,7 +396,7 @@ class BucketDataModule(LightningDataModule):
 
     def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         # Counted while the batch is still on the host: reading a count from the GPU would sync every step.
-        self.monitor.count(batch)
+        self.bad_samples.count(batch)
         if self._filler is not None:
             self._filler.take(batch)
         return batch

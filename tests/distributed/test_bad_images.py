@@ -1,5 +1,6 @@
 """Unreadable images across two ranks: replaced while rare, and a run drowning in them stops on both ranks."""
 
+import json
 import shutil
 
 import pytest
@@ -28,10 +29,13 @@ def fit(metadata, tmp_path, *extra):
 
 def test_many_bad_images_stop_both_ranks_with_the_data_error_code(demo_data, tmp_path):
     metadata, _ = corrupted_copy(demo_data, tmp_path, every_nth=2)  # half the images are garbage
-    out = fit(metadata, tmp_path, "--trainer.max_epochs", "20")
+    out = fit(metadata, tmp_path, "--trainer.max_epochs", "20", "--run.run_id", "r",
+              "--trainer.callbacks+=tests.helpers.recorder.StopStep")
     assert out.returncode == ExitCode.DATA_ERROR, out.stderr[-3000:]
     assert "could not be read, more than data.max_bad_fraction = 0.01" in out.stderr
     assert "Traceback" not in out.stderr
+    stops = [json.loads((tmp_path / "quickstart" / "r" / f"stop-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert stops[0] == stops[1] and stops[0]["error"] == "DataError", f"both ranks stop at the same step: {stops}"
 
 
 def test_a_few_bad_images_are_replaced_counted_and_logged_once(demo_data, tmp_path):

@@ -24,10 +24,11 @@ def test_a_fault_on_rank_1_stops_both_ranks_and_rank_1_reports_it(tmp_path, demo
             "--trainer.strategy", "ddp", "--trainer.max_epochs", "1000", "--run.root_dir", str(tmp_path),
             "--trainer.enable_progress_bar", "false",
             "--trainer.callbacks+=lit_dist.callbacks.circuit_breaker.GPUCircuitBreaker",
-            "--trainer.callbacks.poll_interval_s", "0.2", "--trainer.callbacks.check_every_n_steps", "5",
+            "--trainer.callbacks.poll_interval_s", "0.2", "--control.sync_every_n_steps", "5",
             "--trainer.callbacks.nvml_module", "tests.helpers.fake_nvml", "--trainer.callbacks.device_index", "0",
             "--trainer.callbacks+=lit_dist.callbacks.webhooks.WebhookNotifier",
-            "--trainer.callbacks.sinks", '[{"kind": "raw", "url_env": "HOOK_URL"}]',
+            "--trainer.callbacks.sinks", '[{"kind": "raw", "url_env": "HOOK_URL"}]', "--run.run_id", "r",
+            "--trainer.callbacks+=tests.helpers.recorder.StopStep",
             env={"FAKE_NVML_STATE": str(state), "HOOK_URL": server.url("/hook")}, timeout=180)
         elapsed = time.monotonic() - started
         faults = [e for e in server.bodies("/hook") if e["type"] == "gpu.fault"]
@@ -38,3 +39,5 @@ def test_a_fault_on_rank_1_stops_both_ranks_and_rank_1_reports_it(tmp_path, demo
     assert len(faults) == 1 and faults[0]["rank"] == 1 and faults[0]["severity"] == "critical"
     assert faults[0]["data"]["uuid"] == "GPU-fake-1" and "ECC" in faults[0]["data"]["reason"]
     assert "GPU fault on another rank's GPU" in out.stderr or "GPU fault on this rank's GPU" in out.stderr
+    stops = [json.loads((tmp_path / "quickstart" / "r" / f"stop-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert stops[0] == stops[1] and stops[0]["error"] == "GPUFault", f"both ranks stop at the same step: {stops}"

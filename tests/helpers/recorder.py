@@ -105,3 +105,77 @@ class GatheredDtype(Callback):
 
     def on_train_end(self, trainer, pl_module):
         write_rank_json(trainer, "gathered", sorted(self.dtypes))
+
+
+class StopStep(Callback):
+    """Writes ``{run dir}/stop-rank{N}.json`` when the run ends with an exception: the step and the error."""
+
+    def on_exception(self, trainer, pl_module, exception):
+        write_rank_json(trainer, "stop", {"step": trainer.global_step, "error": type(exception).__name__})
+
+
+class SignalRankAtStep(Callback):
+    """Sends SIGUSR1 to the process of rank ``rank`` only, after optimizer step ``step``."""
+
+    def __init__(self, step: int, rank: int = 1):
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import signal
+
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
+               "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "monitored_barrier")
+
+
+def called_by_lit_dist(stack) -> bool:
+    """Whether the innermost caller outside torch and Lightning is lit-dist code (its command line, which
+    runs all of Lightning's loop, does not count)."""
+    for frame in reversed(stack[:-2]):  # innermost first, past this helper's wrapper
+        path = frame.filename.replace(os.sep, "/")
+        if "/torch/" in path or "/lightning/" in path:
+            continue
+        return "/lit_dist/" in path and not path.endswith("/lit_dist/cli.py")
+    return False
+
+
+class CollectiveCounter(Callback):
+    """Counts the ``torch.distributed`` collectives that lit-dist's own code calls (``called_by_lit_dist``)
+    between consecutive training batches; writes ``{run dir}/collectives-rank{N}.json``:
+    one ``[step, count, clean]`` per batch, ``clean`` false when an epoch boundary or a validation fell in
+    the interval (those have collectives of their own: saves, evaluation sums)."""
+
+    def setup(self, trainer, pl_module, stage):
+        import torch.distributed as dist
+
+        self.count, self.clean, self.rows = 0, True, []
+
+        def counted(function):
+            def wrapper(*args, **kwargs):
+                import traceback
+
+                if called_by_lit_dist(traceback.extract_stack()):
+                    self.count += 1
+                return function(*args, **kwargs)
+            return wrapper
+
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                setattr(dist, name, counted(getattr(dist, name)))
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.clean = False
+
+    def on_validation_start(self, trainer, pl_module):
+        self.clean = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append([trainer.global_step, self.count, self.clean])
+        self.count, self.clean = 0, True
+
+    def on_train_end(self, trainer, pl_module):
+        write_rank_json(trainer, "collectives", self.rows)

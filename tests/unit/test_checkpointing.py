@@ -12,19 +12,22 @@ from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt.files import filesystem, write_atomically
 from lit_dist.ckpt.store import LATEST, MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.control import RunControl
 from lit_dist.errors import CheckpointError, ConfigError
 from lit_dist.models import SimpleCNN
 from lit_dist.module import LitModel
 from tests.conftest import CONFIGS, lit_dist
 
 
-def train(root, demo_data, max_steps=12, **checkpointing):
+def train(root, demo_data, max_steps=12, control=None, **checkpointing):
+    control = control or {}
     seed_everything(0)
     model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
     callback = Checkpointing(dirpath=str(root / "ckpt"), **{"every_n_epochs": None, **checkpointing})
     trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[callback], num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root)
+                      callbacks=[RunControl(**control), callback], num_sanity_val_steps=0, limit_val_batches=0,
+                      default_root_dir=root)
     trainer.fit(model, dm)
     return callback, CheckpointStore(str(root / "ckpt"))
 
@@ -184,10 +187,10 @@ def test_the_cli_resumes_by_default_and_says_where_it_fell_back(tmp_path, demo_d
 
 
 def test_every_n_minutes_saves_when_the_time_has_come_at_agreed_steps(tmp_path, demo_data):
-    # 0.0001 minutes have always passed by the next check, which runs every 4 optimizer steps.
-    _, store = train(tmp_path, demo_data, max_steps=12, every_n_minutes=0.0001, check_every_n_steps=4,
-                     save_last=False, keep_last_n=5)
-    assert store.names() == [checkpoint_name(s) for s in (12, 8, 4)]
+    # 0.001 minutes (60 ms) pass between two saves some steps apart; on one process the run control
+    # agrees at every step, so each save is due a few steps after the one before.
+    _, store = train(tmp_path, demo_data, max_steps=12, every_n_minutes=0.0001, save_last=False, keep_last_n=20)
+    assert store.names() == [checkpoint_name(s) for s in range(12, 0, -1)]
     assert {store.manifest(n)["reason"] for n in store.names()} == {"time"}
 
 

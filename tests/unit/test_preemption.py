@@ -14,6 +14,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.callbacks.preemption import Preemption
 from lit_dist.ckpt.store import CheckpointStore, checkpoint_name
+from lit_dist.control import RunControl
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.module import LitModel
@@ -27,7 +28,7 @@ def run(root, demo_data, max_steps, signal_at=None, resume=False):
     model = LitModel(DropoutCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0, val_fraction=0.1)
     checkpointing = Checkpointing(dirpath=str(root / "ckpt"), every_n_epochs=None)
-    callbacks = ([SignalAtStep(signal_at)] if signal_at else []) + [Preemption(), checkpointing]
+    callbacks = ([SignalAtStep(signal_at)] if signal_at else []) + [RunControl(), Preemption(), checkpointing]
     trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root)
     trainer.fit(model, dm, ckpt_path=checkpointing.resolve_ckpt_path(trainer, "auto") if resume else None)
@@ -57,7 +58,7 @@ def test_the_preemption_reaches_the_webhooks_as_run_preempted_not_run_failed(tmp
         seed_everything(0)
         model = LitModel(DropoutCNN(num_classes=4), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
         dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0)
-        callbacks = [SignalAtStep(3), WebhookNotifier([WebhookSink(kind="raw", url_env="HOOK_URL")]), Preemption(),
+        callbacks = [SignalAtStep(3), WebhookNotifier([WebhookSink(kind="raw", url_env="HOOK_URL")]), RunControl(), Preemption(),
                      Checkpointing(dirpath=str(tmp_path / "ckpt"), every_n_epochs=None)]
         trainer = Trainer(max_steps=10, logger=False, enable_progress_bar=False, enable_model_summary=False,
                           callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path)

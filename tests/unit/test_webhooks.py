@@ -149,3 +149,37 @@ def test_a_real_run_reports_its_events_and_writes_no_secret(server, tmp_path, de
             data = path.read_bytes()
             assert b"TOPSECRET" not in data, f"a secret leaked into {path}"
     assert "TOPSECRET" not in out.stdout + out.stderr
+
+
+def test_final_events_get_their_attempt_before_the_flush_ends_whatever_is_stuck_before_them(server, monkeypatch):
+    # A sink that holds every request 5 s: the progress event ahead of run.finished takes the sender for
+    # longer than the whole flush; run.finished must still be attempted within the flush.
+    n = notifier(monkeypatch, server.url("/stall"), deadline_s=15, flush_timeout_s=3)
+    n.notify("run.progress", "info", "step 5")
+    time.sleep(0.2)  # the sender is now stuck on it
+    n.notify("run.progress", "info", "step 6")
+    n.notify("run.finished", "info", "done")
+    started = time.monotonic()
+    n.flush()
+    assert time.monotonic() - started < 3.5
+    assert "run.finished" in [r["body"]["type"] for r in server.requests], "the final event was attempted"
+
+
+def test_no_backoff_after_the_last_retry(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr("lit_dist.callbacks.webhooks.random.random", lambda: 0.5)  # backoffs 0.25 s, 0.5 s
+    n = notifier(monkeypatch, f"http://127.0.0.1:{port}/x", max_retries=2, deadline_s=30)
+    started = time.monotonic()
+    n.notify("run.started", "info", "go")
+    assert n.flush(10)
+    assert n.failed == 1 and time.monotonic() - started < 1.4, "three attempts, two waits, then give up at once"
+
+
+def test_a_refused_redirect_says_why(server, monkeypatch, caplog):
+    n = notifier(monkeypatch, server.url("/redirect"))
+    with caplog.at_level("WARNING", logger="lit_dist.callbacks.webhooks"):
+        n.notify("run.started", "info", "go")
+        n.flush(5)
+    assert "HTTP 302 redirect refused" in caplog.text and server.url("/redirect") not in caplog.text
