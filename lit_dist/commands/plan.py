@@ -62,13 +62,14 @@ def plan(cli) -> int:
     return int(ExitCode.OK)
 
 
-def _plan_data(data, world: int, accumulate: int, trainer, lines: list[str]) -> list[tuple[ExitCode, str]]:
+def _plan_data(data, world: int, accumulate: int, trainer, lines: list[str],
+               shown: str | None = None) -> list[tuple[ExitCode, str]]:
     import numpy as np
 
-    if data.create_demo_if_missing and data.metadata and not os.path.exists(data.metadata):
-        lines.append(f"data                the demo dataset ({data.demo_num_images} images) will be generated at "
-                     f"{data.metadata} on first use; no bucket plan before that")
-        return []
+    from lit_dist.data.demo import is_demo_place
+
+    if data.create_demo_if_missing and data.metadata and not os.path.exists(data.metadata) and is_demo_place(data.metadata):
+        return _plan_demo(data, world, accumulate, trainer, lines)
     try:
         data.prepare_data()  # indexes scanned folders (headers only) or reuses their cached index
         parts = data.read()
@@ -79,7 +80,7 @@ def _plan_data(data, world: int, accumulate: int, trainer, lines: list[str]) -> 
         counts = [int((splits == code).sum()) for code in range(3)]
         name = f"dataset {i} " if len(parts) > 1 else "data        "
         weight = f", weight {source.weight:g}" if len(parts) > 1 else ""
-        lines.append(f"{name}        {len(meta)} usable rows of {source.table_path}: {counts[0]} train, {counts[1]} val, "
+        lines.append(f"{name}        {len(meta)} usable rows of {shown or source.table_path}: {counts[0]} train, {counts[1]} val, "
                      f"{counts[2]} test; {meta.bad.total} bad rows skipped{weight}")
         if meta.bad.total:
             lines.append(f"bad rows            {meta.bad.summary()}")
@@ -106,6 +107,28 @@ def _plan_data(data, world: int, accumulate: int, trainer, lines: list[str]) -> 
         except LitDistError as err:
             problems.append((err.exit_code, str(err)))
     return problems
+
+
+def _plan_demo(data, world: int, accumulate: int, trainer, lines: list[str]) -> list[tuple[ExitCode, str]]:
+    """The plan of the demo dataset before it is generated: from its table, which is made without drawing
+    an image, so the verdict is the same before and after the first run."""
+    import copy
+    import dataclasses
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from lit_dist.data.demo import demo_table
+
+    lines.append(f"demo                not generated yet: {data.demo_num_images} images at {data.metadata} on first use "
+                 "(planned from their table)")
+    with tempfile.TemporaryDirectory() as tmp:
+        table = os.path.join(tmp, "metadata.parquet")
+        pq.write_table(demo_table(data.demo_num_images, data.seed), table)
+        planned = copy.copy(data)  # the same module, reading the table in tmp
+        planned.create_demo_if_missing = False
+        planned.sources = [dataclasses.replace(data.sources[0], metadata=table, root=os.path.dirname(data.metadata))]
+        return _plan_data(planned, world, accumulate, trainer, lines, shown=data.metadata)
 
 
 def _plan_cache(data, parts: list, lines: list[str]) -> list[tuple[ExitCode, str]]:

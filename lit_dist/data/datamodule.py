@@ -92,7 +92,7 @@ class BucketDataModule(LightningDataModule):
             max_image_pixels: Images with more pixels are refused as decompression bombs (Pillow's guard).
             max_bad_fraction: Stop training when more than this share of the images read could not be decoded.
             storage_options: fsspec options for remote data (e.g. endpoint_url); credentials come from env vars.
-            create_demo_if_missing: Generate the demo shapes dataset at metadata if it does not exist.
+            create_demo_if_missing: Generate the demo dataset if missing, only at its place data/shapes/metadata.parquet.
             demo_num_images: Number of images the demo dataset gets when generated.
             cache: Preprocessed cache of resized pixels and encoder outputs, read instead of decoding images.
         """
@@ -160,10 +160,12 @@ class BucketDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         # Lightning runs this on local rank 0 of each node while the other ranks wait.
         if self.create_demo_if_missing and self.metadata is not None and not os.path.exists(self.metadata):
-            from lit_dist.data.demo import create_shapes_dataset
+            from lit_dist.data.demo import create_shapes_dataset, is_demo_place
 
-            rank_zero_info(f"lit-dist: demo dataset not found at {self.metadata}; generating it (once)")
-            create_shapes_dataset(self.metadata, num_images=self.demo_num_images, seed=self.seed)
+            # Only at the demo's own place: any other missing table is the data error read() raises on every rank.
+            if is_demo_place(self.metadata):
+                rank_zero_info(f"lit-dist: demo dataset not found at {self.metadata}; generating it (once)")
+                create_shapes_dataset(self.metadata, num_images=self.demo_num_images, seed=self.seed)
         from lit_dist.distributed import Comm
 
         if Comm.current().world == 1:  # with several ranks, setup() scans: every rank reads a share of the headers

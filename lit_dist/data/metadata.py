@@ -97,7 +97,8 @@ def list_parquet_files(path: str, storage_options: dict | None = None) -> tuple[
         raise DataError(
             f"data.metadata = {path!r}: no parquet file there. Point it at a parquet table (a file, a folder of "
             f".parquet files or a glob) with columns {', '.join(REQUIRED_COLUMNS)}, scan an image folder instead "
-            "with data.scan_root, or set data.create_demo_if_missing: true to generate the demo dataset there."
+            "with data.scan_root, or for the demo dataset leave data.metadata at data/shapes/metadata.parquet with "
+            "data.create_demo_if_missing: true (it is generated there and nowhere else)."
         )
     return fs, files
 

@@ -122,6 +122,16 @@ def test_bad_input_gets_one_clear_message_and_a_documented_exit_code(args, code,
         assert needle in error[0]
 
 
+def test_a_missing_table_is_a_data_error_not_a_demo_even_with_create_demo_if_missing(tmp_path):
+    missing = tmp_path / "some" / "where" / "meta.parquet"
+    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(missing),
+                   "--run.root_dir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert out.returncode == ExitCode.DATA_ERROR, out.stderr[-2000:]
+    error = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert len(error) == 1 and f"data.metadata = '{missing}'" in error[0] and "data/shapes/metadata.parquet" in error[0]
+    assert not (tmp_path / "some").exists() and not (tmp_path / "data").exists()
+
+
 def test_run_id_is_shared_by_child_processes_and_follows_slurm():
     assert resolve_run_id("mine", {"SLURM_JOB_ID": "5"}) == "mine"
     assert resolve_run_id(None, {"LIT_DIST_RUN_ID": "abc", "SLURM_JOB_ID": "5"}) == "abc"

@@ -8,6 +8,7 @@ from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.data.dataset import BucketImageDataset
 from lit_dist.data.metadata import read_metadata
 from lit_dist.errors import DataError
+from tests.conftest import CONFIGS
 
 
 def test_missing_metadata_names_the_path_and_the_fix(tmp_path):
@@ -69,10 +70,14 @@ def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_pat
     assert batch["row"].tolist() == [1, 1], "the bad sample is replaced by the next one of the same bucket"
 
 
-def test_demo_dataset_is_generated_once_with_a_table_that_reads_back(tmp_path):
-    path = tmp_path / "shapes" / "metadata.parquet"
-    dm = BucketDataModule(str(path), create_demo_if_missing=True, demo_num_images=40, resolution=32)
+def test_demo_dataset_is_generated_once_with_a_table_that_reads_back(tmp_path, monkeypatch):
+    from lit_dist.data.demo import DEMO_METADATA, demo_table
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / DEMO_METADATA
+    dm = BucketDataModule(DEMO_METADATA, create_demo_if_missing=True, demo_num_images=40, resolution=32)
     dm.prepare_data()
+    assert pq.read_table(path).equals(demo_table(40, seed=0)), "plan's table of the demo is the table generated"
     meta = read_metadata(str(path))
     assert len(meta) == 40 and meta.bad.total == 0
     assert sorted(meta.classes) == ["circle", "cross", "square", "triangle"]
@@ -81,6 +86,17 @@ def test_demo_dataset_is_generated_once_with_a_table_that_reads_back(tmp_path):
     dm.prepare_data()
     assert path.stat().st_mtime_ns == mtime, "an existing dataset must not be regenerated"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".demo-")], "temporary folder left behind"
+    assert (CONFIGS / "quickstart.yaml").read_text().count(f"metadata: {DEMO_METADATA}\n") == 1
+
+
+def test_the_demo_is_generated_only_at_its_own_place(tmp_path):
+    # A mistyped data.metadata next to create_demo_if_missing: true must not become a run on shapes.
+    path = tmp_path / "some" / "where" / "meta.parquet"
+    dm = BucketDataModule(str(path), create_demo_if_missing=True, demo_num_images=40, resolution=32)
+    dm.prepare_data()
+    assert not (tmp_path / "some").exists()
+    with pytest.raises(DataError, match=r"data.metadata = .*meta.parquet.*no parquet file.*data/shapes/metadata.parquet"):
+        dm.read()
 
 
 def test_a_decompression_bomb_is_refused_and_replaced(tmp_path):

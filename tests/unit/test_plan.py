@@ -41,3 +41,18 @@ def test_world_size_follows_the_config_then_the_launcher_or_allocation():
     torchrun = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0"}
     assert world_size(auto, torchrun) == (8, 4, 2)
     assert world_size(SimpleNamespace(devices=[0, 1], num_nodes=1, accelerator="gpu"), {}) == (2, 2, 1)
+
+
+def test_the_demos_verdict_does_not_depend_on_whether_it_was_generated_yet(tmp_path):
+    from lit_dist.data.demo import DEMO_METADATA, create_shapes_dataset
+
+    # A fresh clone: 3,000 demo images cannot fill one global batch of 16,384.
+    args = ("plan", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.num_nodes", "64", "--trainer.devices", "8")
+    before = lit_dist(*args, cwd=tmp_path)
+    assert not (tmp_path / "data").exists(), "plan must not generate the demo"
+    create_shapes_dataset(str(tmp_path / DEMO_METADATA))
+    after = lit_dist(*args, cwd=tmp_path)
+    assert before.returncode == after.returncode == ExitCode.DATA_ERROR, before.stdout + after.stdout
+    assert "fewer than one global batch of 16384" in before.stdout
+    buckets = [line for line in before.stdout.splitlines() if " x " in line and "world size" not in line]
+    assert buckets and buckets == [line for line in after.stdout.splitlines() if " x " in line and "world size" not in line]
