@@ -19,7 +19,7 @@ import warnings
 from lightning.pytorch.cli import LightningCLI
 
 from lit_dist.commands import COMMANDS, NAMES, usage
-from lit_dist.errors import ExitCode, LitDistError, explain_parse_error
+from lit_dist.errors import ConfigError, ExitCode, LitDistError, explain_parse_error
 from lit_dist.run import RunConfig, run_dir
 
 MODEL = "lit_dist.module.LitModel"
@@ -90,6 +90,12 @@ class LitDistCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         run = RunConfig(**vars(config.run))
         config.run.run_id, path = run_dir(run)
+        given = config.trainer.default_root_dir
+        if given not in (self._parser(self.subcommand).get_default("trainer.default_root_dir"), path):
+            # Equal to `path` only in a config lit-dist saved for this run, which a rerun may load.
+            raise ConfigError(f"trainer.default_root_dir = {given!r}: lit-dist puts every run in its own directory, "
+                              f"{{run.root_dir}}/{{run.name}}/{{run.run_id}} (here {path}). Remove "
+                              f"trainer.default_root_dir and set run.root_dir (e.g. --run.root_dir {given}) instead.")
         config.trainer.default_root_dir = path
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 

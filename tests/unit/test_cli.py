@@ -108,8 +108,10 @@ def test_help_lists_every_knob_with_a_description():
         (["--model.base_batch_size", "0"], ExitCode.CONFIG_ERROR, ["model.base_batch_size = 0", ">= 1"]),
         (["--data.metadata", "/nowhere/meta.parquet", "--data.create_demo_if_missing", "false"], ExitCode.DATA_ERROR,
          ["data.metadata", "/nowhere/meta.parquet", "no parquet file"]),
+        (["--trainer.default_root_dir", "/elsewhere"], ExitCode.CONFIG_ERROR,
+         ["trainer.default_root_dir = '/elsewhere'", "run.root_dir"]),
     ],
-    ids=["unknown-key", "wrong-type", "bad-class-path", "bad-value", "missing-metadata"],
+    ids=["unknown-key", "wrong-type", "bad-class-path", "bad-value", "missing-metadata", "default-root-dir"],
 )
 def test_bad_input_gets_one_clear_message_and_a_documented_exit_code(args, code, needles, tmp_path):
     out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--run.root_dir", str(tmp_path),
