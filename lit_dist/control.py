@@ -207,7 +207,7 @@ class RunControl(Callback):
             layouts = all_gather_object(trainer, sorted(self._facts))
             if any(layout != layouts[0] for layout in layouts):
                 raise ConfigError("run control: ranks share different facts ("
-                                  + "; ".join(f"rank {r}: {', '.join(l) or 'none'}" for r, l in enumerate(layouts))
+                                  + "; ".join(f"rank {r}: {', '.join(names) or 'none'}" for r, names in enumerate(layouts))
                                   + "); every rank must run the same callbacks")
 
     # -- every step boundary -------------------------------------------------------------------

@@ -41,22 +41,24 @@ def save_atomically(state: dict, path: str) -> None:
 
 def lit_dist_checkpoint(path: str) -> str | None:
     """The verified state file of a lit-dist checkpoint folder (or of the newest usable one in a
-    checkpoints folder); None when ``path`` is not one of those."""
-    from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore
+    checkpoints folder, chosen as ``ckpt_path: auto`` would); None when ``path`` is not one of those."""
+    from lit_dist.ckpt import resume
+    from lit_dist.ckpt.store import CheckpointStore
 
     path = os.path.abspath(path)
-    if os.path.isfile(os.path.join(path, MARKER)):
-        store, name = CheckpointStore(os.path.dirname(path)), os.path.basename(path)
-        if problem := store.problem(name):
-            raise DataError(f"checkpoint {path} is unusable: {problem}")
-        return store.url_of(name, STATE)
+    named = resume.explicit(path)
+    if named is not None:
+        if named.name is None:
+            raise DataError(f"checkpoint {path} is unusable: {named.damaged[0][1]}")
+        return named.state
     store = CheckpointStore(path)
-    if os.path.isdir(path) and store.names():
-        name, skipped = store.find_valid()
-        if name is None:
-            raise DataError(f"no usable checkpoint in {path}: " + "; ".join(f"{n}: {p}" for n, p in skipped))
-        return store.url_of(name, STATE)
-    return None
+    if not (os.path.isdir(path) and store.names()):
+        return None
+    choice = resume.newest_usable(store)
+    if choice.name is None:
+        found = choice.problem if not choice.fresh_start else f"only unfinished saves in {path} (no marker)"
+        raise DataError(f"no usable checkpoint: {found}")
+    return choice.state
 
 
 def load_checkpoint_state(path: str) -> dict:

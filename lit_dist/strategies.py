@@ -96,8 +96,9 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         # Pure data parallelism over every device of every node: one data-parallel dimension.
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
+        from lit_dist.compat import set_data_parallel
+
+        set_data_parallel(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     def shard(self, net: nn.Module) -> None:

@@ -8,9 +8,10 @@ their ``should_stop``). Layout of ``dirpath`` (default ``{run_dir}/checkpoints``
     step-000001200/COMPLETE.json   the marker with the manifest (step, epoch, files, sizes, sha256)
     latest                         name of the newest complete checkpoint
 
-- Rank 0 writes the file for DDP and single-device runs; with sharded strategies (FSDP, FSDP2,
-  DeepSpeed) every rank writes its part and rank 0 writes the marker once all are done. A
-  checkpoint counts only once its marker exists (see ``lit_dist.ckpt.store``).
+This callback keeps the schedule (when to save), the checks before training and the random
+states; ``lit_dist.ckpt.saver`` writes a checkpoint (rank 0 or every rank for sharded strategies,
+the marker last: see ``lit_dist.ckpt.store``) and ``lit_dist.ckpt.resume`` chooses the one to
+resume from (the same choice as ``lit-dist export``).
 - Saves happen every ``every_n_steps`` optimizer steps, every ``every_n_epochs`` epochs, every
   ``every_n_minutes`` (a fact shared with the run control, since the ranks' clocks differ: all
   ranks save at the same step once any of them is due), after each validation when ``monitor``
@@ -41,20 +42,20 @@ import os
 import socket
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Literal
 
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lit_dist.ckpt.files import FileEntry, hash_file, write_bytes_atomically
+from lit_dist import compat
+from lit_dist.ckpt import resume
+from lit_dist.ckpt.files import write_bytes_atomically
 from lit_dist.ckpt.io import AtomicCheckpointIO
-from lit_dist.ckpt.snapshot import Snapshot
-from lit_dist.ckpt.state import as_next_epoch_start, rank_zero_writes, rng_state, set_rng_state
-from lit_dist.ckpt.store import MARKER, PROBE, STATE, CheckpointStore, checkpoint_name
+from lit_dist.ckpt.saver import Rotation, Saver
+from lit_dist.ckpt.state import rng_state, set_rng_state
+from lit_dist.ckpt.store import PROBE, STATE, CheckpointStore
 from lit_dist.control import Agreed, Event, RunControl
-from lit_dist.distributed import agree_any, all_gather_object
+from lit_dist.distributed import all_gather_object
 from lit_dist.errors import CheckpointError, ConfigError
 from lit_dist.run import RUN_ID_ENV, process_age_s
 
@@ -121,15 +122,10 @@ class Checkpointing(Checkpoint):
         self.verify_checksums = verify_checksums
         self.storage_options = storage_options or {}
         self.resumed_from: str | None = None  # never deleted by rotation
-        self.last_path: str | None = None  # the newest complete checkpoint this run wrote
         self._store: CheckpointStore | None = None
         self._io = AtomicCheckpointIO(self.storage_options)
-        self._snapshot = Snapshot()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-save")
-        self._pending: Future | None = None  # the asynchronous write in flight
-        self._last_saved_step = -1
+        self._saver: Saver | None = None
         self._last_seen_step = -1
-        self._last_save_time = time.monotonic()
         self._rng: list | None = None
         self._control: RunControl | None = None
 
@@ -144,7 +140,8 @@ class Checkpointing(Checkpoint):
         control.on_agreed(self._decide)
 
     def _time_due(self) -> bool:
-        return bool(self.every_n_minutes) and time.monotonic() - self._last_save_time >= self.every_n_minutes * 60
+        return (bool(self.every_n_minutes) and self._saver is not None
+                and time.monotonic() - self._saver.last_save_time >= self.every_n_minutes * 60)
 
     def _decide(self, trainer, agreed: Agreed) -> None:
         if agreed["checkpoint.save_due"]:
@@ -160,6 +157,25 @@ class Checkpointing(Checkpoint):
             self._store = CheckpointStore(url, self.storage_options)
         return self._store
 
+    def saver(self, trainer) -> Saver:
+        """The writer of this run's checkpoints (made once the folder is known)."""
+        if self._saver is None:
+            self._saver = Saver(self.store(trainer), self._io,
+                                Rotation(self.keep_last_n, self.monitor, self.mode, self.keep_best_k),
+                                self.async_save, self._published)
+            self._saver.resumed_from = self.resumed_from
+        return self._saver
+
+    def _published(self, saved: dict) -> None:
+        if self._control is not None:
+            self._control.publish(Event("checkpoint.saved", "info", f"Checkpoint at step {saved['step']}",
+                                        saved["path"], saved))
+
+    @property
+    def last_path(self) -> str | None:
+        """The newest complete checkpoint this run wrote."""
+        return self._saver.last_path if self._saver is not None else None
+
     # -- resume (called by the CLI on every process, before the process group exists) ----------
 
     def resolve_ckpt_path(self, trainer, ckpt_path: str | None) -> str | None:
@@ -169,43 +185,38 @@ class Checkpointing(Checkpoint):
         store = self.store(trainer) if trainer is not None else self._store
         if ckpt_path != "auto":
             return self._explicit(ckpt_path, store)
-        name, skipped = store.find_valid(self.verify_checksums)
-        for bad, problem in skipped:
+        choice = resume.newest_usable(store, self.verify_checksums)
+        for bad, problem in choice.skipped:
             rank_zero_warn(f"lit-dist: checkpoint {store.url_of(bad)} is unusable: {problem}; "
-                           + (f"falling back to {name}" if name else "trying an older one"))
-        if name is None:
-            # A save cut off before its marker (on an object store it stays at its final name) never was a
-            # checkpoint: with only those the run has nothing to lose and starts over. A complete one that
-            # fails its manifest is progress that would be lost: that needs a person.
-            complete = set(store.complete())
-            damaged = [(n, p) for n, p in skipped if n in complete]
-            if damaged:
-                raise CheckpointError(
-                    f"ckpt_path: auto found {len(damaged)} complete checkpoints in {store.url} and none is usable "
-                    f"({'; '.join(f'{n}: {p}' for n, p in damaged)}). Move them away or pass ckpt_path: null to "
-                    "start over, or ckpt_path: <folder> to load one anyway.")
+                           + (f"falling back to {choice.name}" if choice.name else "trying an older one"))
+        if choice.name is None:
+            if not choice.fresh_start:
+                raise CheckpointError(f"ckpt_path: auto found {choice.problem}. Move them away or pass ckpt_path: null "
+                                      "to start over, or ckpt_path: <folder> to load one anyway.")
             rank_zero_info(f"lit-dist: no checkpoint in {store.url} yet"
-                           + (f" ({len(skipped)} unfinished saves)" if skipped else "") + ": starting from the beginning")
+                           + (f" ({len(choice.skipped)} unfinished saves)" if choice.skipped else "")
+                           + ": starting from the beginning")
             return None
-        self.resumed_from = name
-        rank_zero_info(f"lit-dist: resuming from {store.url_of(name)} (step {store.manifest(name).get('step')})")
-        return store.url_of(name, STATE)
+        self._protect(choice.name)
+        rank_zero_info(f"lit-dist: resuming from {store.url_of(choice.name)} (step {store.manifest(choice.name).get('step')})")
+        return choice.state
 
     def _explicit(self, ckpt_path: str, own: CheckpointStore | None) -> str:
         """A lit-dist checkpoint folder (or its state.ckpt) is verified first; anything else goes to Lightning as is."""
-        path = ckpt_path.rstrip("/")
-        folder = path.rsplit("/", 1)[0] if path.endswith("/" + STATE) else path
-        parent, _, name = folder.rpartition("/")
-        store = CheckpointStore(parent or ".", self.storage_options)
-        if not store.fs.exists(store.path(name, MARKER)):
+        choice = resume.explicit(ckpt_path, self.storage_options, self.verify_checksums)
+        if choice is None:
             return ckpt_path
-        problem = store.problem(name, self.verify_checksums)
-        if problem:
-            raise CheckpointError(f"ckpt_path: {ckpt_path} is unusable: {problem}. Pick another checkpoint, or "
-                                  "ckpt_path: auto for the newest usable one.")
-        if own is not None and store.root == own.root:  # rotation must keep it
-            self.resumed_from = name
-        return store.url_of(name, STATE)
+        if choice.name is None:
+            raise CheckpointError(f"ckpt_path: {ckpt_path} is unusable: {choice.damaged[0][1]}. Pick another checkpoint, "
+                                  "or ckpt_path: auto for the newest usable one.")
+        if own is not None and choice.store.root == own.root:  # rotation must keep it
+            self._protect(choice.name)
+        return choice.state
+
+    def _protect(self, name: str) -> None:
+        self.resumed_from = name
+        if self._saver is not None:
+            self._saver.resumed_from = name
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -213,11 +224,11 @@ class Checkpointing(Checkpoint):
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
         store = self.store(trainer)
-        if not store.local and not rank_zero_writes(trainer.strategy):
+        if not store.local and not compat.rank_zero_writes(trainer.strategy):
             raise ConfigError(f"checkpoint.dirpath: {store.url} is an object store, where the sharded checkpoints of "
                               f"{type(trainer.strategy).__name__} cannot be written; use a shared filesystem path, or "
                               "a strategy whose checkpoint rank 0 writes (ddp; fsdp2 with save_distributed_checkpoint: false)")
-        if self.async_save and not rank_zero_writes(trainer.strategy):
+        if self.async_save and not compat.rank_zero_writes(trainer.strategy):
             rank_zero_warn(f"lit-dist: checkpoint.async_save is for strategies where rank 0 writes the whole checkpoint; "
                            f"{type(trainer.strategy).__name__} saves synchronously")
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO stays
@@ -240,7 +251,7 @@ class Checkpointing(Checkpoint):
             self._check_shared(trainer, probe, token, unwritable)
         elif unwritable:
             raise ConfigError(f"checkpoint.dirpath: cannot write to {store.url} ({unwritable})")
-        self._last_save_time = time.monotonic()
+        self.saver(trainer).last_save_time = time.monotonic()
 
     def _check_shared(self, trainer, probe: str, token: str, unwritable: str | None) -> None:
         """Every rank must see what rank 0 wrote, and resume from the same checkpoint; else fail before training."""
@@ -297,8 +308,8 @@ class Checkpointing(Checkpoint):
             rank_zero_info(f"lit-dist: first step after resuming (step {step}) done"
                            + (f" {age:.1f} s after the process started" if age is not None else ""))
         self._last_seen_step = step
-        # Epoch saves happen here, after the epoch's last batch (see lit_dist.ckpt.state.as_next_epoch_start).
-        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        # Epoch saves happen here, after the epoch's last batch (see lit_dist.compat.as_next_epoch_start).
+        last_batch = compat.is_last_batch(trainer)
         epochs_done = trainer.current_epoch + 1
         reason = None
         if self.every_n_steps and step % self.every_n_steps == 0:
@@ -343,128 +354,26 @@ class Checkpointing(Checkpoint):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         # Every rank's streams, gathered into the one file rank 0 writes (a collective: every rank gets here).
         checkpoint["lit_dist"] = {"rng": all_gather_object(trainer, rng_state())}
-        if trainer.training and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and "loops" in checkpoint:
-            as_next_epoch_start(checkpoint["loops"]["fit_loop"])
+        if trainer.training and compat.is_last_batch(trainer) and "loops" in checkpoint:
+            compat.as_next_epoch_start(checkpoint["loops"]["fit_loop"])
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         self._rng = (checkpoint.get("lit_dist") or {}).get("rng")
 
-    # -- saving -------------------------------------------------------------------------------
+    # -- saving (also the run control's saver) -------------------------------------------------
 
     def save(self, trainer, reason: str, metric: dict | None = None) -> str:
-        """Save a checkpoint of this step now and return where (every rank). Call it on every rank at the
-        same step: it holds collectives."""
-        store = self.store(trainer)
-        step = trainer.global_step
-        name = checkpoint_name(step)
-        self.wait_for_save(trainer)
-        if step == self._last_saved_step:
-            if metric and trainer.is_global_zero:
-                store.set_metric(name, metric)  # validation right after a step save: same weights
-            return store.url_of(name)
-        self._last_saved_step = step
-        self._last_save_time = time.monotonic()
-        info = {"step": step, "epoch": trainer.current_epoch, "reason": reason, "world_size": trainer.world_size,
-                "strategy": type(trainer.strategy).__name__, "run_id": os.environ.get(RUN_ID_ENV), "metric": metric}
-        target = "/".join([store.staging(name), STATE]) if store.local else store.url_of(name, STATE)
-        whole_on_rank_zero = rank_zero_writes(trainer.strategy)
-        started = time.monotonic()
-        if self.async_save and whole_on_rank_zero:
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            if trainer.is_global_zero:
-                state = self._snapshot.take(checkpoint)
-
-                def write() -> None:
-                    store.begin(name)
-                    self._io.save_checkpoint(state, target)
-                    self._finish(trainer, name, {STATE: self._io.written.pop(target)}, info, started)
-
-                self._pending = self._writer.submit(write)
-            return store.url_of(name)
-        error = None
-        try:
-            if trainer.is_global_zero:
-                store.begin(name)
-            if not whole_on_rank_zero:
-                trainer.strategy.barrier("lit-dist-checkpoint-begin")  # the folder is fresh before any rank writes
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            trainer.strategy.save_checkpoint(checkpoint, target)
-        except Exception as exc:  # agreed on below, so that no rank waits for one that gave up
-            error = exc
-        files = self._files(trainer, name, target, whole_on_rank_zero)
-        if trainer.is_global_zero and error is None:
-            try:
-                self._finish(trainer, name, files, info, started)
-            except Exception as exc:
-                error = exc
-        self._agree_saved(trainer, name, error)
-        return store.url_of(name)
-
-    def _files(self, trainer, name: str, target: str, whole_on_rank_zero: bool) -> dict[str, FileEntry]:
-        """Every file of the checkpoint with its size and sha256, on rank 0 (collective for sharded strategies)."""
-        written = self._io.written.pop(target, None)
-        files = {STATE: written} if written else {}
-        if whole_on_rank_zero:
-            if trainer.is_global_zero and not files:  # a CheckpointIO of the user's own wrote it
-                path = target if self._store.local else self._store.path(name, STATE)
-                files = {STATE: hash_file(self._store.fs, path, fsync=True)}
-            return files
-        # Sharded: the strategy wrote files through its own code. Each rank lists the folder (its own files
-        # are surely there), then hashes and fsyncs a share of them.
-        store = self._store
-        staging = store.staging(name)
-        listing = [os.path.relpath(os.path.join(folder, f), staging) for folder, _, names in os.walk(staging) for f in names]
-        everyone = all_gather_object(trainer, (listing, files))
-        known = {rel: entry for _, theirs in everyone for rel, entry in theirs.items()}
-        todo = sorted({rel for seen, _ in everyone for rel in seen} - set(known) - {MARKER})
-        mine = {rel: hash_file(store.fs, os.path.join(staging, rel), fsync=True)
-                for rel in todo[trainer.global_rank :: trainer.world_size]}
-        for part in all_gather_object(trainer, mine):
-            known.update(part)
-        return known
-
-    def _finish(self, trainer, name: str, files: dict[str, FileEntry], info: dict, started: float) -> None:
-        """Rank 0, once every rank wrote: marker, rotation, webhook."""
-        store = self._store
-        manifest = store.finish(name, files, info)
-        self.last_path = store.url_of(name)
-        deleted = store.rotate(self.keep_last_n, {name} | ({self.resumed_from} if self.resumed_from else set()),
-                               self.monitor, self.mode, self.keep_best_k)
-        seconds = time.monotonic() - started
-        size = sum(entry.size for entry in files.values())
-        log.info("lit-dist: saved %s (%.1f MB in %.2f s)%s", self.last_path, size / 1e6, seconds,
-                 f"; removed {', '.join(deleted)}" if deleted else "")
-        if self._control is not None:
-            self._control.publish(Event(
-                "checkpoint.saved", "info", f"Checkpoint at step {manifest['step']}", self.last_path,
-                {"step": manifest["step"], "epoch": manifest["epoch"], "path": self.last_path, "bytes": size,
-                 "seconds": round(seconds, 3), "reason": manifest["reason"]}))
+        """Save a checkpoint of this step now and return where. Call it on every rank at the same step."""
+        return self.saver(trainer).save(trainer, reason, metric)
 
     def wait_for_save(self, trainer) -> None:
-        """Wait for the save in flight; every rank learns whether it failed (a collective when saving asynchronously)."""
-        if not self.async_save:
-            return
-        error = self.background_error()
-        self._agree_saved(trainer, checkpoint_name(self._last_saved_step), error)
+        """Wait for an asynchronous save in flight; every rank learns whether it failed."""
+        if self._saver is not None:
+            self._saver.wait_for_save(trainer)
 
     def background_error(self, timeout_s: float | None = None) -> BaseException | None:
-        """Wait for the asynchronous write in flight (this rank only); its exception, reported once, else None."""
-        if self._pending is None:
-            return None
-        try:
-            self._pending.result(timeout_s)
-        except FutureTimeout:
-            return TimeoutError(f"the background save did not finish within {timeout_s} s")
-        except BaseException as exc:  # noqa: BLE001 - the caller agrees on it with the other ranks
-            self._pending = None
-            return exc
-        self._pending = None
-        return None
-
-    def _agree_saved(self, trainer, name: str, error: BaseException | None) -> None:
-        if agree_any(trainer, error is not None):
-            where = f": {type(error).__name__}: {error}" if error else " on another rank (see its log)"
-            raise CheckpointError(f"saving checkpoint {name} in {self._store.url} failed{where}") from error
+        """Wait for this rank's asynchronous write in flight; its exception, else None."""
+        return self._saver.background_error(timeout_s) if self._saver is not None else None
 
     @property
     def best_model_path(self) -> str:

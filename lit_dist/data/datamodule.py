@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_dist import compat
 from lit_dist.cache.config import CacheConfig
 from lit_dist.control import RunControl
 from lit_dist.data.health import BadSamples
@@ -151,9 +152,7 @@ class BucketDataModule(LightningDataModule):
         self.classes: list[str] | None = None
         self._splits: dict = {}
         self._resume: dict | None = None
-        # After a resume that re-planned an epoch: that epoch, the parts of it trained with other global
-        # batch sizes, and Lightning's batch count where the current part's plan began.
-        self._replan: dict | None = None
+        self._train_sampler = None  # the fit's sampler: it owns the training position
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -355,36 +354,16 @@ class BucketDataModule(LightningDataModule):
 
     def train_dataloader(self):
         sampler = self.train_sampler(*self.world())
+        self._train_sampler = sampler
         if self._resume:
             # Lightning takes the first batch of a run from this loader before it sets the epoch.
             state, self._resume = self._resume, None
-            epoch, done = state["epoch"], state["batches_done"]
-            saved, earlier = state.get("global_batch_size", sampler.global_batch_size), state.get("earlier", [])
-            sampler.set_epoch(epoch)
-            left, waiting = sampler.resume(epoch, done, saved, earlier)
-            if sampler.replans(done, saved, earlier):
-                if saved != sampler.global_batch_size:  # a new part of the epoch starts, at batch 0
-                    earlier, done = [*earlier, [saved, done]], 0
-                    rank_zero_warn(
-                        f"lit-dist: resuming epoch {epoch} with a global batch of {sampler.global_batch_size} samples "
-                        f"(data.batch_size_per_device x world size); the checkpoint's was {saved}. The batches "
-                        f"trained stand; the epoch's other samples are regrouped into {left} batches of the new "
-                        f"size, none trained twice ({waiting} that fill no whole batch wait for a later epoch)."
-                    )
-                # Lightning ends the epoch when its count of batches reaches the loader's length: its count
-                # must stand where this epoch's remaining `left` batches end there.
-                start = len(sampler) - left
-                self._shift_lightning_position(start - self.trainer.fit_loop.epoch_loop.batch_progress.current.processed)
-                self._replan = {"epoch": epoch, "earlier": earlier, "offset": start - done}
+            start, message = sampler.resume_from(state)
+            if message:
+                rank_zero_warn(message)
+            if start is not None:
+                compat.shift_batches_done(self.trainer, start - compat.batches_done(self.trainer))
         return self._loader("train", sampler)
-
-    def _shift_lightning_position(self, delta: int) -> None:
-        """Move Lightning's count of the epoch's batches by ``delta``: after a re-planned resume the epoch
-        has another number of batches left, and Lightning ends an epoch when its count reaches the
-        loader's length."""
-        current = self.trainer.fit_loop.epoch_loop.batch_progress.current
-        for name in ("ready", "started", "processed", "completed"):
-            setattr(current, name, getattr(current, name) + delta)
 
     def val_dataloader(self):
         return self._eval_loader("val")
@@ -429,17 +408,12 @@ class BucketDataModule(LightningDataModule):
             return {}
         # `processed`, not `completed`: a checkpoint written in on_train_batch_end runs before Lightning
         # counts that batch as completed, and that batch must not be trained on twice.
-        progress = trainer.fit_loop.epoch_loop.batch_progress
         # The global batch too: a run resumed with another one re-plans the rest of the epoch.
-        batch = {"global_batch_size": self.batch_size_per_device * trainer.world_size}
-        if progress.is_last_batch:  # the epoch is done: resume at the start of the next one
-            # `started` counts the epochs begun: the next one's number, also after Lightning closed the epoch.
-            return {"epoch": trainer.fit_loop.epoch_progress.current.started, "batches_done": 0, **batch}
-        replan = self._replan if self._replan and self._replan["epoch"] == trainer.current_epoch else None
-        if replan is None:
-            return {"epoch": trainer.current_epoch, "batches_done": progress.current.processed, **batch}
-        return {"epoch": trainer.current_epoch, "batches_done": progress.current.processed - replan["offset"], **batch,
-                "earlier": replan["earlier"]}
+        if compat.is_last_batch(trainer):  # the epoch is done: resume at the start of the next one
+            return {"epoch": compat.next_epoch(trainer), "batches_done": 0,
+                    "global_batch_size": self.batch_size_per_device * trainer.world_size}
+        sampler = self._train_sampler or self.train_sampler(*self.world())
+        return sampler.position(trainer.current_epoch, compat.batches_done(trainer))
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position without replaying the loader: the sampler skips what was done."""

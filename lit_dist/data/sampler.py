@@ -69,6 +69,9 @@ class BucketBatchSampler(DistributedSampler):
         self.repeats = times if shuffle else np.ones(len(present), dtype=np.int64)
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches done) of a mid-epoch checkpoint
         self._replanned: tuple[int, np.ndarray] | None = None  # (epoch, this rank's batches) after a batch change
+        # After a resume that re-planned an epoch: that epoch, the parts of it trained with other global
+        # batch sizes, and the trainer's batch count where the current part's plan began.
+        self._position: dict | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -105,6 +108,36 @@ class BucketBatchSampler(DistributedSampler):
         b = self.batch_size_per_device
         self._replanned = (epoch, rest[:, self.rank * b : (self.rank + 1) * b])
         return len(rest), left
+
+    def resume_from(self, state: dict) -> tuple[int | None, str | None]:
+        """Resume at a saved position (``position``'s dict). Returns where the trainer's count of the epoch's
+        batches must stand for the epoch to end after the batches it has left (None: where it was saved),
+        and a message for the user when the rest of the epoch was re-planned."""
+        epoch, done = state["epoch"], state["batches_done"]
+        saved, earlier = state.get("global_batch_size", self.global_batch_size), state.get("earlier", [])
+        self.set_epoch(epoch)
+        left, waiting = self.resume(epoch, done, saved, earlier)
+        if not self.replans(done, saved, earlier):
+            return None, None
+        message = None
+        if saved != self.global_batch_size:  # a new part of the epoch starts, at batch 0
+            earlier, done = [*earlier, [saved, done]], 0
+            message = (f"lit-dist: resuming epoch {epoch} with a global batch of {self.global_batch_size} samples "
+                       f"(data.batch_size_per_device x world size); the checkpoint's was {saved}. The batches "
+                       f"trained stand; the epoch's other samples are regrouped into {left} batches of the new "
+                       f"size, none trained twice ({waiting} that fill no whole batch wait for a later epoch).")
+        # The trainer ends the epoch when its count of batches reaches this sampler's length.
+        start = len(self) - left
+        self._position = {"epoch": epoch, "earlier": earlier, "offset": start - done}
+        return start, message
+
+    def position(self, epoch: int, batches_done: int) -> dict:
+        """What to save to resume after ``batches_done`` batches of ``epoch`` (the trainer's count)."""
+        state = {"epoch": epoch, "batches_done": batches_done, "global_batch_size": self.global_batch_size}
+        replan = self._position if self._position and self._position["epoch"] == epoch else None
+        if replan is not None:
+            state.update(batches_done=batches_done - replan["offset"], earlier=replan["earlier"])
+        return state
 
     def replans(self, batches_done: int, global_batch_size: int, earlier: list | tuple = ()) -> bool:
         """Whether resuming there needs another plan than the epoch's own: part of the epoch was

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_dist.errors import ExitCode
 from tests.conftest import CONFIGS, lit_dist
@@ -40,7 +41,12 @@ def test_many_bad_images_stop_both_ranks_with_the_data_error_code(demo_data, tmp
 
 def test_a_few_bad_images_are_replaced_counted_and_logged_once(demo_data, tmp_path):
     metadata, corrupted = corrupted_copy(demo_data, tmp_path, every_nth=80)
-    out = fit(metadata, tmp_path, "--trainer.max_epochs", "2", "--data.max_bad_fraction", "0.5")
+    out = fit(metadata, tmp_path, "--trainer.max_epochs", "2", "--data.max_bad_fraction", "0.5", "--run.run_id", "r")
     assert out.returncode == 0, out.stderr[-3000:]
+    # Fewer steps than log_every_n_steps (50), and still in TensorBoard: the count goes straight to the logger.
+    events = EventAccumulator(str(tmp_path / "quickstart" / "r"))
+    events.Reload()
+    counts = [e.value for e in events.Scalars("data/bad_samples")]
+    assert counts[0] >= 0 and counts[-1] > 0 and counts == sorted(counts)
     warned = [line for line in out.stderr.splitlines() if "cannot read" in line]
     assert warned and len(warned) == len(set(warned)), "each bad file is reported once per process"

@@ -11,9 +11,9 @@ from lightning.pytorch import Trainer, seed_everything
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt.files import filesystem, write_atomically
 from lit_dist.ckpt.store import LATEST, MARKER, STATE, CheckpointStore, checkpoint_name
-from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.control import RunControl
-from lit_dist.errors import CheckpointError, ConfigError
+from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.errors import CheckpointError, ConfigError, DataError
 from lit_dist.models import SimpleCNN
 from lit_dist.module import LitModel
 from tests.conftest import CONFIGS, lit_dist
@@ -121,6 +121,26 @@ def test_a_first_save_cut_off_before_its_marker_means_starting_over(tmp_path):
     damage(tmp_path / checkpoint_name(3) / STATE, "flip")
     with pytest.raises(CheckpointError, match="1 complete checkpoints .* none is usable"):
         callback.resolve_ckpt_path(None, "auto")
+
+
+def test_export_and_resume_choose_the_same_checkpoint_past_unfinished_saves(tmp_path):
+    from lit_dist.export import lit_dist_checkpoint
+
+    callback = Checkpointing(dirpath=str(tmp_path))
+    callback._store = CheckpointStore(str(tmp_path))
+    (tmp_path / checkpoint_name(9)).mkdir()  # the newest: an upload cut off before its marker
+    (tmp_path / checkpoint_name(9) / STATE).write_bytes(b"half an upload")
+    with pytest.raises(DataError, match="only unfinished saves"):
+        lit_dist_checkpoint(str(tmp_path))
+    assert callback.resolve_ckpt_path(None, "auto") is None, "nothing lost: the run starts over"
+    fake_checkpoints(callback._store, [(4, None)])
+    chosen = callback.resolve_ckpt_path(None, "auto")
+    assert chosen == lit_dist_checkpoint(str(tmp_path)) == str(tmp_path / checkpoint_name(4) / STATE)
+    damage(tmp_path / checkpoint_name(4) / STATE, "flip")  # now progress is at stake: both refuse
+    with pytest.raises(CheckpointError, match="1 complete checkpoints .* none is usable"):
+        callback.resolve_ckpt_path(None, "auto")
+    with pytest.raises(DataError, match="1 complete checkpoints .* none is usable"):
+        lit_dist_checkpoint(str(tmp_path))
 
 
 def test_an_interrupted_write_leaves_nothing_at_the_final_path(tmp_path):

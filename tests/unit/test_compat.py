@@ -1,0 +1,104 @@
+"""One test per Lightning internal lit-dist touches (lit_dist/compat.py), against the installed Lightning:
+an upgrade that changes one fails here, by name."""
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from lit_dist import compat
+from lit_dist.models import SimpleCNN
+from lit_dist.module import LitModel
+
+BATCHES = 6
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return BATCHES * 4
+
+    def __getitem__(self, i):
+        return {"image": torch.randn(3, 16, 16), "label": i % 2}
+
+
+class Probe(Callback):
+    """Reads the internals at every batch end (and shifts the count after the first batch, when asked)."""
+
+    def __init__(self, shift_after_first: int = 0):
+        self.rows, self.checkpoints, self.shift_after_first = [], [], shift_after_first
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.shift_after_first and batch_idx == 0:
+            compat.shift_batches_done(trainer, self.shift_after_first)
+        self.rows.append((trainer.current_epoch, batch_idx, compat.batches_done(trainer), compat.is_last_batch(trainer)))
+        if compat.is_last_batch(trainer):
+            self.checkpoints.append(compat.dump_checkpoint(trainer))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.rows.append(("next", compat.next_epoch(trainer)))
+
+
+def fit(probe, epochs=2):
+    seed_everything(0)
+    model = LitModel(SimpleCNN(num_classes=2), optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+    loader = torch.utils.data.DataLoader(Data(), batch_size=4)
+    trainer = Trainer(max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, callbacks=[probe], num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(model, loader)
+    return trainer
+
+
+def test_batch_counters_last_batch_and_next_epoch():
+    probe = Probe()
+    fit(probe)
+    first = [r for r in probe.rows if r[0] == 0]
+    assert [done for _, _, done, _ in first] == list(range(1, BATCHES + 1)), "batches done count the one just ended"
+    assert [last for *_, last in first] == [False] * (BATCHES - 1) + [True]
+    assert ("next", 1) in probe.rows and ("next", 2) in probe.rows
+
+
+def test_dump_checkpoint_and_the_next_epoch_start_surgery():
+    probe = Probe()
+    fit(probe, epochs=1)
+    checkpoint = probe.checkpoints[0]
+    assert {"state_dict", "loops", "optimizer_states"} <= set(checkpoint)
+    loop = checkpoint["loops"]["fit_loop"]
+    compat.as_next_epoch_start(loop)
+    assert loop["epoch_loop.batch_progress"]["current"]["processed"] == 0
+    assert loop["epoch_loop.batch_progress"]["is_last_batch"] is False
+    epoch = loop["epoch_progress"]["current"]
+    assert epoch["ready"] == epoch["started"] == epoch["processed"] == epoch["completed"] == 1
+
+
+def test_shifting_the_batch_count_ends_the_epoch_that_much_earlier():
+    probe = Probe(shift_after_first=2)
+    fit(probe, epochs=1)
+    assert len([r for r in probe.rows if r[0] == 0]) == BATCHES - 2
+
+
+def test_which_strategies_let_rank_zero_write_the_whole_checkpoint():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from lit_dist.strategies import FSDP2Strategy
+
+    assert compat.rank_zero_writes(DDPStrategy())
+    assert compat.rank_zero_writes(FSDPStrategy(state_dict_type="full"))
+    assert not compat.rank_zero_writes(FSDPStrategy(state_dict_type="sharded"))
+    assert not compat.rank_zero_writes(FSDP2Strategy(save_distributed_checkpoint=True))
+    assert compat.rank_zero_writes(FSDP2Strategy(save_distributed_checkpoint=False))
+
+
+def test_data_parallel_sizes_of_a_model_parallel_strategy():
+    from lit_dist.strategies import FSDP2Strategy
+
+    strategy = FSDP2Strategy()
+    compat.set_data_parallel(strategy, 8)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (8, 1)
+
+
+def test_a_changed_internal_fails_with_one_clear_message():
+    class Renamed:  # a Trainer whose loop internals moved
+        fit_loop = object()
+
+    with pytest.raises(compat.LightningChanged, match=r"relies on Lightning's trainer.fit_loop.epoch_loop.batch_progress.*"
+                                                      r"tested with Lightning 2\.6"):
+        compat.is_last_batch(Renamed())
