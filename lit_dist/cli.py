@@ -266,6 +266,11 @@ def main(args: list[str] | None = None) -> None:
             sys.exit(code)
         LitDistCLI(args=argv)
     except argparse.ArgumentError as err:
+        from lit_dist.strategies import missing_deepspeed
+
+        if message := missing_deepspeed(str(err)):
+            print(f"lit-dist: error: {message}", file=sys.stderr)
+            sys.exit(int(ExitCode.CONFIG_ERROR))
         subcommand = next((a for a in argv if a in NAMES), "fit")
         print(f"lit-dist: error: {explain_parse_error(str(err))}", file=sys.stderr)
         print(f"  Fix it in the config file or on the command line; `lit-dist {subcommand} --help` lists every option.",

@@ -16,6 +16,7 @@ policies given as class paths. DeepSpeed is Lightning's ``DeepSpeedStrategy``
 import importlib
 import importlib.util
 import os
+import re
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
@@ -153,6 +154,28 @@ class FSDPStrategy(LightningFSDPStrategy):
                          sharding_strategy=sharding_strategy, state_dict_type=state_dict_type, **kwargs)
 
 
+INSTALL_DEEPSPEED = "Install it with `pip install --no-build-isolation deepspeed` (bash .ci/setup does)."
+
+
+def deepspeed_installed() -> bool:
+    try:
+        return importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):  # ValueError: blocked as None in sys.modules
+        return False
+
+
+def missing_deepspeed(parse_error: str) -> str | None:
+    """The message for a config that names a DeepSpeed class (the offload presets' optimizer) where DeepSpeed
+    is not installed, instead of the type error the parser gives; None for any other parse error."""
+    from lit_dist.errors import explain_parse_error
+
+    named = re.search(r"class_path='(deepspeed\.[\w.]+)'", parse_error)
+    if named is None or deepspeed_installed():
+        return None
+    field = explain_parse_error(parse_error).split(": ", 1)[0]
+    return f"{field} = {named.group(1)!r} but DeepSpeed is not installed. {INSTALL_DEEPSPEED}"
+
+
 def strategy_name(strategy) -> str:
     """The strategy as the user named it: a string, a class_path namespace's path or an instance's class."""
     if strategy is None:
@@ -174,9 +197,8 @@ def check_strategy(trainer_config, cuda_available: bool | None = None) -> list[s
         if on_cpu:
             problems.append(f"trainer.strategy = {name!r} needs CUDA GPUs and this machine has none (accelerator "
                             f"{accelerator!r}). On CPU use ddp or lit_dist.strategies.FSDP2Strategy (configs/fsdp2.yaml).")
-        if importlib.util.find_spec("deepspeed") is None:
-            problems.append(f"trainer.strategy = {name!r} but DeepSpeed is not installed. Install it with "
-                            "`pip install --no-build-isolation deepspeed` (bash .ci/setup does).")
+        if not deepspeed_installed():
+            problems.append(f"trainer.strategy = {name!r} but DeepSpeed is not installed. {INSTALL_DEEPSPEED}")
     fsdp1 = key == "fsdp" or key.endswith(("strategies.fsdpstrategy", "fsdp.fsdpstrategy"))
     if fsdp1 and on_cpu:
         problems.append(f"trainer.strategy = {name!r} (FSDP1) needs CUDA GPUs and this machine has none. On CPU use "

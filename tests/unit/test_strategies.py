@@ -51,3 +51,19 @@ def test_fsdp1_and_deepspeed_presets_construct_on_cpu():
         expected = json.loads((CONFIGS.parent / path).read_text())["zero_optimization"]["stage"]
         strategy = DeepSpeedStrategy(config=str(CONFIGS.parent / path))
         assert strategy.config["zero_optimization"]["stage"] == expected
+
+
+@pytest.mark.parametrize("preset", ["deepspeed_zero2_offload.yaml", "deepspeed_zero3_offload.yaml"])
+def test_offload_presets_without_deepspeed_name_the_install_command(preset, tmp_path):
+    from lit_dist.errors import ExitCode
+    from tests.conftest import CONFIGS, lit_dist
+
+    # A machine without DeepSpeed: the import fails as it would there.
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None\n")
+    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / preset),
+                   "--run.root_dir", str(tmp_path), env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-2000:]
+    error = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert len(error) == 1 and "Type" not in error[0], out.stderr[-2000:]
+    assert "model.optimizer" in error[0] and "DeepSpeed is not installed" in error[0]
+    assert "pip install --no-build-isolation deepspeed" in error[0]
