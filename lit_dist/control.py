@@ -132,6 +132,8 @@ class RunControl(Callback):
         self.exchanges = 0  # collectives launched (what tests and benchmarks count)
         self._facts: dict[str, tuple[str, Callable[[], float]]] = {}
         self._listeners: list[Callable[[object, Agreed], None]] = []
+        self._epoch_hooks: list[Callable[[object], None]] = []
+        self._end_hooks: list[Callable[[object], None]] = []
         self._subscribers: list[Subscriber] = []
         self._saver = None
         self._saves: list[str] = []
@@ -155,6 +157,14 @@ class RunControl(Callback):
     def on_agreed(self, listener: Callable[[object, Agreed], None]) -> None:
         """Call ``listener(trainer, agreed)`` after each exchange, at the same step on every rank."""
         self._listeners.append(listener)
+
+    def at_epoch_start(self, hook: Callable[[object], None]) -> None:
+        """Call ``hook(trainer)`` at the start of every training epoch, on every rank (collectives allowed)."""
+        self._epoch_hooks.append(hook)
+
+    def at_train_end(self, hook: Callable[[object], None]) -> None:
+        """Call ``hook(trainer)`` when training ends, on every rank (collectives allowed)."""
+        self._end_hooks.append(hook)
 
     def subscribe(self, subscriber: Subscriber) -> None:
         """Receive every published event (``send``) and the flushes at the end of the run."""
@@ -209,6 +219,16 @@ class RunControl(Callback):
                 raise ConfigError("run control: ranks share different facts ("
                                   + "; ".join(f"rank {r}: {', '.join(names) or 'none'}" for r, names in enumerate(layouts))
                                   + "); every rank must run the same callbacks")
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        for hook in self._epoch_hooks:
+            hook(trainer)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._inflight is not None:  # the last window's exchange: finished before the process group goes
+            self._collect()
+        for hook in self._end_hooks:
+            hook(trainer)
 
     # -- every step boundary -------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from lightning.pytorch import Callback
 
 from lit_dist.cache.build import _encode
 from lit_dist.cache.shards import ShardWriter
@@ -61,8 +60,9 @@ class FillKeys:
         return parts
 
 
-class OnDemandFill(Callback):
-    """Takes new entries from batches, writes them in the background, publishes them at epoch boundaries."""
+class OnDemandFill:
+    """Takes new entries from batches, writes them in the background, publishes them at epoch boundaries
+    (the run control calls ``sync`` there: ``connect``)."""
 
     def __init__(self, plan, views: list[dict]):
         self.plan, self.views = plan, views
@@ -76,6 +76,7 @@ class OnDemandFill(Callback):
         self.seen: dict[str, set] = {name: set() for name in plan.fields}  # (sample, key) made this epoch
         self.encoder = plan.encoder
         self.made = 0
+        self.connected = False
 
     def _writer(self, name: str) -> ShardWriter:
         cfg = self.plan.config
@@ -133,11 +134,10 @@ class OnDemandFill(Callback):
 
     # -- epoch boundaries (every rank) ---------------------------------------------------------
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self.sync()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.sync()
+    def connect(self, control) -> None:
+        self.connected = True
+        control.at_epoch_start(lambda trainer: self.sync())
+        control.at_train_end(lambda trainer: self.sync())
 
     def sync(self) -> None:
         """Flush every rank's new entries, publish them (rank 0), and point the lookups at them."""

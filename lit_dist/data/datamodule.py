@@ -203,8 +203,11 @@ class BucketDataModule(LightningDataModule):
         return parts
 
     def connect(self, control: RunControl) -> None:
-        """Take part in the run control (called by it at setup): the bad-sample count is a shared fact."""
+        """Take part in the run control (called by it at setup, after this module's setup): the bad-sample
+        count is a shared fact; cache entries made on demand are published at its epoch boundaries."""
         self.bad_samples.connect(control)
+        if self._filler is not None:
+            self._filler.connect(control)
 
     def setup(self, stage: str) -> None:
         trainer = self.trainer
@@ -221,8 +224,6 @@ class BucketDataModule(LightningDataModule):
             device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
             opened = open_views(self, parts, device)
             self._cache_views, self._filler, self._fill_keys = opened.views, opened.filler, opened.fill_keys
-            if self._filler is not None and trainer is not None:
-                trainer.callbacks.append(self._filler)  # it publishes what batches made, at epoch boundaries
         views = self._cache_views or [None] * len(parts)
         fills = self._fill_keys or [None] * len(parts)
         for code, split in enumerate(("train", "val", "test", "predict")):
@@ -353,6 +354,9 @@ class BucketDataModule(LightningDataModule):
                                                       self.seed, shuffle=False))
 
     def train_dataloader(self):
+        if self._filler is not None and not self._filler.connected:
+            raise ConfigError("data.cache.mode ondemand publishes new entries at the run control's epoch boundaries: "
+                              "add lit_dist.control.RunControl() to the trainer's callbacks (lit-dist fit adds it)")
         sampler = self.train_sampler(*self.world())
         self._train_sampler = sampler
         if self._resume:

@@ -8,6 +8,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt.store import STATE
+from lit_dist.control import RunControl
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.module import LitModel
 from tests.helpers.nets import DropoutCNN
@@ -24,7 +25,7 @@ def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True, s
     if not restore_rng:
         checkpointing.on_load_checkpoint = lambda *args: None
     trainer = Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[checkpointing] + ([StopAtStep(stop)] if stop else [])
+                      callbacks=[RunControl(), checkpointing] + ([StopAtStep(stop)] if stop else [])
                       + ([StopAfterEpoch(stop_after_epoch)] if stop_after_epoch is not None else []) + list(extra),
                       num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root)
     ckpt_path = checkpointing.resolve_ckpt_path(trainer, "auto") if resume else None
