@@ -6,6 +6,7 @@ worker and trainer, and the epoch is known for the random crop.
 """
 
 import logging
+import re
 
 import numpy as np
 import torch
@@ -139,7 +140,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
                 if candidate not in self._logged:
                     self._logged.add(candidate)
                     log.warning("lit-dist: cannot read %s (%s); using another image of the same bucket",
-                                self._path(candidate), exc)
+                                self._path(candidate), _reason(exc))
                 candidate = self._next_in_bucket(candidate)
         raise RuntimeError(f"8 images in a row of bucket {(width, height)} could not be read; last: {self._path(candidate)}")
 
@@ -225,6 +226,11 @@ def centre_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:
 def _tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
     tensor = torch.from_numpy(np.ascontiguousarray(array))
     return tensor.view(torch.bfloat16) if dtype == "bf16" else tensor  # bf16 is stored as raw 16-bit words
+
+
+def _reason(exc: Exception) -> str:
+    """Why a file could not be read, without the address of the file object Pillow names (the path is shown)."""
+    return re.sub(r"\s*<[^<>]* object at 0x[0-9a-fA-F]+>", "", str(exc)) or type(exc).__name__
 
 
 def _guard_against_bombs(max_pixels: int | None) -> None:

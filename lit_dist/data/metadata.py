@@ -28,11 +28,13 @@ IDENTITY_COLUMNS = ("bytes", "mtime", "etag")  # optional: which version of each
 SPLITS = ("train", "val", "test")
 _GLOB_CHARS = set("*?[")
 _UNSAFE_REASONS = {
-    "URL instead of a relative path": r"^[A-Za-z][A-Za-z0-9+.-]*://",
+    # "::" chains fsspec filesystems (file::/etc/passwd, simplecache::s3://...) wherever a URL is opened.
+    "URL instead of a relative path": r"^[A-Za-z][A-Za-z0-9+.-]*://|::",
     "absolute path": r"^(/|\\|[A-Za-z]:[\\/])",
     "'..' in the path (would escape the dataset root)": r"(^|[\\/])\.\.([\\/]|$)",
 }
 _UNSAFE = "|".join(f"({p})" for p in _UNSAFE_REASONS.values())
+_DUPLICATE = "duplicate filename (first kept)"
 
 
 @dataclass
@@ -182,10 +184,11 @@ def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: 
     if duplicate is None:
         duplicate = hashed_duplicates(filenames, hashes, ignore=bad)
     duplicate &= ~bad
-    _note(report, "duplicate filename (first kept)", duplicate, filenames)
+    _note(report, _DUPLICATE, duplicate, filenames)
     bad |= duplicate
-    if strict and report.total:
-        raise DataError(f"{source}: {report.total} bad rows and data.strict is true: {report.summary()}")
+    if strict and report.total:  # nothing is kept: no "(first kept)" here
+        summary = report.summary().replace(_DUPLICATE, "duplicate filename")
+        raise DataError(f"{source}: {report.total} bad rows and data.strict is true: {summary}")
     if bad.all():
         raise DataError(f"{source}: none of its {len(bad)} rows is usable: {report.summary() or 'the table is empty'}")
 

@@ -54,7 +54,7 @@ def test_batches_are_uint8_bucket_sized_and_crops_repeat_per_seed_epoch_index(de
     assert normalised.dtype == torch.float32 and -1.01 <= normalised.min() and normalised.max() <= 1.01
 
 
-def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_path):
+def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_path, caplog):
     meta = read_metadata(str(demo_data))
     bucket_sizes = np.array([[32, 32]])
     dataset = BucketImageDataset(str(demo_data.parent), meta.filenames, bucket_sizes, np.zeros(len(meta), dtype=np.int64))
@@ -68,6 +68,8 @@ def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_pat
     assert batch["image"].shape == (2, 32, 32, 3)
     assert batch["bad_samples"] == 1
     assert batch["row"].tolist() == [1, 1], "the bad sample is replaced by the next one of the same bucket"
+    warned = [r.getMessage() for r in caplog.records if "cannot read" in r.getMessage()]
+    assert len(warned) == 1 and f"cannot read {broken} (cannot identify image file)" in warned[0], warned
 
 
 def test_demo_dataset_is_generated_once_with_a_table_that_reads_back(tmp_path, monkeypatch):

@@ -36,8 +36,18 @@ def test_every_kind_of_bad_row_is_skipped_counted_and_shown(tmp_path):
     assert counts["missing filename"] == 2 and counts["duplicate filename (first kept)"] == 1
     assert counts["missing or non-positive width/height"] == 2
     assert "'/etc/passwd'" in meta.bad.summary()
-    with pytest.raises(DataError, match="10 bad rows and data.strict is true"):
+    with pytest.raises(DataError, match="10 bad rows and data.strict is true") as err:
         read_metadata(str(path), strict=True)
+    assert "1 duplicate filename (e.g." in str(err.value) and "first kept" not in str(err.value), "nothing is kept"
+
+
+def test_fsspec_chained_names_are_counted_with_the_urls(tmp_path):
+    path = write(tmp_path / "m.parquet", filename=["ok.png", "file::/etc/passwd", "simplecache::s3://b/k.png", "a/b::c.png"],
+                 width=[5] * 4, height=[5] * 4)
+    meta = read_metadata(str(path))
+    assert meta.filenames.to_pylist() == ["ok.png"]
+    assert meta.bad.counts == {"URL instead of a relative path": 3}
+    assert "'file::/etc/passwd'" in meta.bad.summary()
 
 
 def test_row_order_changes_neither_the_bad_rows_nor_the_split(tmp_path):
