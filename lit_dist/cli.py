@@ -11,10 +11,8 @@
 
 import argparse
 import inspect
-import logging
 import os
 import sys
-import warnings
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -113,7 +111,7 @@ class LitDistCLI(LightningCLI):
             config.checkpoint.save_last = False
         if config.trainer.logger in (None, True):
             config.trainer.logger = Namespace(
-                class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                class_path="lit_dist.tensorboard.TensorBoardLogger",
                 init_args=Namespace(save_dir=run.root_dir, name=run.name, version=config.run.run_id, default_hp_metric=False),
             )
 
@@ -212,19 +210,6 @@ def _describe(function) -> str:
     return "\n".join(filter(None, [doc.short_description, doc.long_description, *flags]))
 
 
-def _silence_lightning_noise() -> None:
-    """Drop messages that say nothing about the user's run."""
-    # Advertisements for hosted services, printed on every run.
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(lambda record: not str(record.msg).startswith("💡 Tip"))
-    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; nothing the user can act on.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-    # lit-dist passes its own argv (without the subcommand) to LightningCLI on purpose.
-    warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
-    # LitModel all-reduces its evaluation sums itself, so the values it logs are already global.
-    warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
-
-
 def _user_error(exc: BaseException | None) -> LitDistError | None:
     """The LitDistError behind ``exc``: jsonargparse wraps errors raised while building classes."""
     seen = set()
@@ -260,7 +245,9 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-dist`` console script."""
     argv = _drop_local_rank(sys.argv[1:] if args is None else args)
     try:
-        _silence_lightning_noise()
+        from lit_dist.noise import silence_lightning_noise
+
+        silence_lightning_noise()
         code = _dispatch(argv)
         if code is not None:
             sys.exit(code)

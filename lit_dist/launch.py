@@ -19,6 +19,12 @@ import re
 from lit_dist.errors import ConfigError
 
 
+def in_slurm_job(environ: dict | None = None) -> bool:
+    """Whether this process runs inside a Slurm job (an allocation, a batch script or a job step)."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("SLURM_JOB_ID"))
+
+
 def in_slurm_step(environ: dict | None = None) -> bool:
     """Whether this process is a task of a Slurm job step (started by srun, or the batch step)."""
     env = os.environ if environ is None else environ
@@ -39,7 +45,7 @@ def tasks_per_node(environ: dict) -> list[int]:
 def slurm_layout(environ: dict) -> tuple[int, list[int]] | None:
     """(nodes, tasks on each node) of this Slurm job step, or of the job's allocation when read outside a
     step (an ``salloc`` shell); None outside a Slurm job."""
-    if not environ.get("SLURM_JOB_ID"):
+    if not in_slurm_job(environ):
         return None
     nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 1)
     per_node = tasks_per_node(environ)

@@ -44,3 +44,19 @@ def lit_dist(*args: str, cwd: Path | None = None, timeout: float = 300, env: dic
     return subprocess.run(
         [sys.executable, "-m", "lit_dist", *args], cwd=cwd or REPO, env=clean, capture_output=True, text=True, timeout=timeout
     )
+
+
+def quickstart_args(root_dir: Path | None = None, metadata: Path | None = None, *configs: Path, **overrides) -> list[str]:
+    """The quickstart's command line without its subcommand: configs/quickstart.yaml, then ``configs`` layered on
+    it, the run directory under ``root_dir`` and the table ``metadata`` (e.g. the demo_data fixture), then each
+    override as a dotted flag: ``trainer__max_epochs=1`` -> ``--trainer.max_epochs 1`` (True/False/None as
+    true/false/null)."""
+    args = [a for c in (CONFIGS / "quickstart.yaml", *configs) for a in ("--config", str(c))]
+    if metadata is not None:
+        args += ["--data.metadata", str(metadata)]
+    if root_dir is not None:
+        args += ["--run.root_dir", str(root_dir)]
+    for key, value in overrides.items():
+        text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        args += [f"--{key.replace('__', '.')}", text]
+    return args

@@ -13,7 +13,7 @@ from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, ExitCode
 from lit_dist.module import LitModel
 from lit_dist.run import RunConfig, resolve_run_id
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import CONFIGS, lit_dist, quickstart_args
 
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 
@@ -134,6 +134,30 @@ def test_a_missing_table_is_a_data_error_not_a_demo_even_with_create_demo_if_mis
     assert not (tmp_path / "some").exists() and not (tmp_path / "data").exists()
 
 
+def test_fit_prints_nothing_meaningless(tmp_path, demo_data):
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(demo_data)
+    names = table.column("filename").to_pylist()
+    names[0] = "file::/etc/passwd"  # one bad row, for the skipped-rows warning
+    metadata = tmp_path / "meta.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("filename"), "filename", pa.array(names)), metadata)
+    out = lit_dist("fit", *quickstart_args(tmp_path, metadata, data__root=demo_data.parent, trainer__max_steps=2,
+                                           trainer__limit_val_batches=1, data__num_workers=0, data__batch_size_per_device=8,
+                                           trainer__enable_progress_bar=False))
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    skipped = [line for line in text.splitlines() if "skipped 1 bad rows" in line]
+    assert skipped and all(line.startswith("lit-dist: skipped") for line in skipped), text[-3000:]
+    assert "rank_zero_warn(" not in text and "UserWarning" not in text, "a lit-dist warning printed its source line"
+    assert "Total params" in text and "Flops" not in text and "FLOPs" not in text, "FLOPs are never measured: all 0"
+    if shutil.which("srun"):  # Slurm's client tools are installed, but this is no Slurm job
+        assert "`srun` command is available" not in text
+
+
 def test_run_id_is_shared_by_child_processes_and_follows_slurm():
     assert resolve_run_id("mine", {"SLURM_JOB_ID": "5"}) == "mine"
     assert resolve_run_id(None, {"LIT_DIST_RUN_ID": "abc", "SLURM_JOB_ID": "5"}) == "abc"
@@ -147,18 +171,20 @@ def test_run_id_is_shared_by_child_processes_and_follows_slurm():
 
 
 def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data):
-    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-            "--run.root_dir", str(tmp_path), "--run.run_id", "same", "--trainer.max_epochs", "1",
-            "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1", "--data.num_workers", "0",
-            "--data.batch_size_per_device", "8"]
+    args = quickstart_args(tmp_path, demo_data, run__run_id="same", trainer__max_epochs=1, trainer__limit_train_batches=2,
+                           trainer__limit_val_batches=1, data__num_workers=0, data__batch_size_per_device=8)
     for _ in range(2):
-        out = lit_dist(*args)
+        out = lit_dist("fit", *args)
         assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "quickstart" / "same"
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["run"]["run_id"] == "same"
     assert list((run / "checkpoints").glob("step-*/COMPLETE.json"))
-    assert list(run.glob("events.out.tfevents.*"))
+    # The rerun of the finished run logged nothing: no second (empty) events file.
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1
+    # The config saved for the run runs it again (it names the run's own directory).
+    out = lit_dist("validate", "--config", str(run / "config.yaml"))
+    assert out.returncode == 0 and "val/acc" in out.stdout, out.stderr[-3000:]
 
 
 def test_validate_test_and_predict_use_a_checkpoint(tmp_path, demo_data):
