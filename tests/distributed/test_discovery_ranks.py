@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from lit_dist.data.discovery import scan_folder
-from tests.conftest import CONFIGS, REPO, lit_dist
+from tests.conftest import REPO, lit_dist, quickstart_args
 
 pytestmark = pytest.mark.distributed
 BIN = Path(sys.executable).parent
@@ -59,10 +59,10 @@ def test_index_under_torchrun_writes_the_one_process_table(tmp_path, image_folde
 
 def test_a_ddp_run_splits_the_scan_of_scan_root_and_caches_the_one_process_table(tmp_path, image_folder):
     cache = tmp_path / "index.parquet"
-    out = lit_dist("validate", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", "null",
-                   "--data.create_demo_if_missing", "false", "--data.scan_root", str(image_folder),
-                   "--data.labels_from_folders", "true", "--data.index_cache", str(cache), "--data.num_workers", "0",
-                   "--trainer.devices", "2", "--trainer.strategy", "ddp", "--run.root_dir", str(tmp_path), timeout=300)
+    out = lit_dist("validate", *quickstart_args(tmp_path, data__metadata=None, data__create_demo_if_missing=False,
+                                                data__scan_root=image_folder, data__labels_from_folders=True,
+                                                data__index_cache=cache, data__num_workers=0, trainer__devices=2,
+                                                trainer__strategy="ddp"), timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     assert "val/acc" in out.stdout
     # The progress bar is rank 0's: 102 of the 203 headers (every other file), not all of them.

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import REPO, quickstart_args
 
 pytestmark = pytest.mark.distributed
 BIN = Path(sys.executable).parent
-COMMON = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.batch_size_per_device", "8",
+COMMON = ["--data.batch_size_per_device", "8",
           "--data.num_workers", "0", "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
           "--trainer.strategy", "ddp", "--export.filename", "null"]
 
@@ -25,8 +25,8 @@ def check(out: subprocess.CompletedProcess, launcher: str) -> None:
 
 
 def test_torchrun_on_one_machine(tmp_path, demo_data):
-    out = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node=2", "--master-port=29531", "-m", "lit_dist", *COMMON,
-                          "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path)],
+    out = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node=2", "--master-port=29531", "-m", "lit_dist", "fit",
+                          *quickstart_args(tmp_path, demo_data), *COMMON],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     check(out, "torchrun")
 
@@ -35,6 +35,6 @@ def test_torchrun_on_one_machine(tmp_path, demo_data):
 def test_the_deepspeed_launcher_on_one_machine(tmp_path, demo_data):
     # It adds --local_rank=N to the command line, which lit-dist takes from LOCAL_RANK instead.
     out = subprocess.run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29533", "--module", "lit_dist",
-                          *COMMON, "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path),
-                          "--run.run_id", "ds"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                          "fit", *quickstart_args(tmp_path, demo_data, run__run_id="ds"), *COMMON],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
     check(out, "DeepSpeed launcher")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import lit_dist, quickstart_args
 
 pytestmark = pytest.mark.distributed
 
@@ -14,11 +14,10 @@ STOP, END = 7, 30  # 400 images, global batch 16: ~20 steps per epoch, so 7 is m
 
 
 def test_ddp_stopped_mid_epoch_and_resumed_equals_an_uninterrupted_run_bitwise(tmp_path, demo_data):
-    common = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-              "--model.net.class_path", "tests.helpers.nets.DropoutCNN", "--trainer.devices", "2",
-              "--trainer.strategy", "ddp", "--data.batch_size_per_device", "8", "--data.num_workers", "1",
-              "--trainer.max_steps", str(END), "--trainer.enable_progress_bar", "false",
-              "--checkpoint.every_n_epochs", "null", "--run.root_dir", str(tmp_path)]
+    common = ["fit", *quickstart_args(tmp_path, demo_data, model__net__class_path="tests.helpers.nets.DropoutCNN",
+                                      trainer__devices=2, trainer__strategy="ddp", data__batch_size_per_device=8,
+                                      data__num_workers=1, trainer__max_steps=END, trainer__enable_progress_bar=False,
+                                      checkpoint__every_n_epochs=None)]
     straight = lit_dist(*common, "--run.run_id", "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
     stopped = lit_dist(*common, "--run.run_id", "resumed", "--trainer.callbacks+=tests.helpers.recorder.StopAtStep",
@@ -42,10 +41,10 @@ def test_ddp_stopped_mid_epoch_and_resumed_equals_an_uninterrupted_run_bitwise(t
 
 def test_two_processes_resumed_on_one_finish_the_epoch_without_repeats(tmp_path, demo_data):
     # A requeue onto fewer GPUs: the global batch changes (16 -> 8), so the epoch's rest is regrouped.
-    common = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-              "--trainer.strategy", "ddp", "--data.batch_size_per_device", "8", "--data.num_workers", "0",
-              "--trainer.enable_progress_bar", "false", "--checkpoint.every_n_epochs", "null", "--trainer.max_steps",
-              "60", "--trainer.limit_val_batches", "0", "--run.root_dir", str(tmp_path), "--run.run_id", "elastic"]
+    common = ["fit", *quickstart_args(tmp_path, demo_data, trainer__strategy="ddp", data__batch_size_per_device=8,
+                                      data__num_workers=0, trainer__enable_progress_bar=False,
+                                      checkpoint__every_n_epochs=None, trainer__max_steps=60,
+                                      trainer__limit_val_batches=0, run__run_id="elastic")]
     two = lit_dist(*common, "--trainer.devices", "2", "--trainer.callbacks+=tests.helpers.recorder.StopAtStep",
                    "--trainer.callbacks.step", str(STOP), "--trainer.callbacks+=tests.helpers.recorder.RowRecorder",
                    "--trainer.callbacks.tag", "two")

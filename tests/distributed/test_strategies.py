@@ -7,22 +7,21 @@ import pytest
 import torch
 
 from lit_dist.models import SimpleCNN
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import CONFIGS, lit_dist, quickstart_args
 
 pytestmark = pytest.mark.distributed
 
 # GroupNorm: per-sample statistics, so splitting a global batch over ranks changes nothing.
 # Same global batch (16), seed and data order in every run; 12 steps.
-COMMON = ["--config", str(CONFIGS / "quickstart.yaml"), "--model.net.init_args.norm", "group",
+COMMON = ["--model.net.init_args.norm", "group",
           "--trainer.max_steps", "12", "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
           "--trainer.enable_progress_bar", "false", "--data.num_workers", "0", "--model.warmup_steps", "0",
           "--model.lr_scaling", "none", "--trainer.callbacks+=tests.helpers.recorder.LossRecorder"]
 
 
 def run(tmp_path, demo_data, name, devices, per_device, *extra):
-    out = lit_dist("fit", *COMMON, "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path),
-                   "--run.run_id", name, "--trainer.devices", str(devices), "--data.batch_size_per_device",
-                   str(per_device), *extra, timeout=300)
+    out = lit_dist("fit", *quickstart_args(tmp_path, demo_data), *COMMON, "--run.run_id", name, "--trainer.devices",
+                   str(devices), "--data.batch_size_per_device", str(per_device), *extra, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = tmp_path / "quickstart" / name
     losses = [json.loads((run_dir / f"losses-rank{r}.json").read_text()) for r in range(devices)]

@@ -4,10 +4,10 @@ them under ``srun -N2``, and under ``torchrun --nnodes=2`` without Slurm."""
 import json
 import subprocess
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import REPO, quickstart_args
 from tests.slurm import cluster
 
-COMMON = ["--config", str(CONFIGS / "quickstart.yaml"), "--data.batch_size_per_device", "8", "--data.num_workers", "0",
+COMMON = ["--data.batch_size_per_device", "8", "--data.num_workers", "0",
           "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false",
           "--trainer.callbacks+=tests.helpers.recorder.WeightsDigest"]
 
@@ -18,8 +18,8 @@ def digests(run_dir) -> list[dict]:
 
 def test_srun_on_two_nodes_trains_with_both_and_ends_with_the_same_weights(slurm_nodes, tmp_path, demo_data):
     env, _ = slurm_nodes
-    out = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", env["LIT_DIST"], "fit", *COMMON,
-                          "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path), "--run.run_id", "two-nodes"],
+    out = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", env["LIT_DIST"], "fit",
+                          *quickstart_args(tmp_path, demo_data, run__run_id="two-nodes"), *COMMON],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "trainer.num_nodes 2 (Slurm nodes)" in out.stdout
@@ -34,8 +34,8 @@ def test_torchrun_across_two_nodes_without_slurm(slurm_nodes, tmp_path, demo_dat
     procs = []
     for node in (1, 2):
         command = (f"exec {REPO}/.venv/bin/torchrun --nnodes=2 --nproc-per-node=1 --node-rank={node - 1} "
-                   f"--master-addr=node1 --master-port=29517 --rdzv-id=job7 -m lit_dist fit {' '.join(COMMON)} "
-                   f"--data.metadata {demo_data} --run.root_dir {tmp_path}")
+                   f"--master-addr=node1 --master-port=29517 --rdzv-id=job7 -m lit_dist fit "
+                   f"{' '.join(quickstart_args(tmp_path, demo_data) + COMMON)}")
         procs.append(subprocess.Popen(cluster.node_command(folder, node, command), cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=300)[0] for p in procs]

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import REPO, quickstart_args
 from tests.slurm.conftest import sbatch, wait_for
 
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
@@ -42,9 +42,9 @@ def test_sbatch_cpu_template_trains_the_quickstart_on_two_tasks(slurm, tmp_path,
 
 def test_a_mismatched_allocation_is_refused_in_seconds(slurm, tmp_path, demo_data):
     started = time.monotonic()
-    out = subprocess.run(["srun", "-N1", "--ntasks-per-node=2", slurm["LIT_DIST"], "fit", "--config",
-                          str(CONFIGS / "quickstart.yaml"), "--trainer.devices", "1", "--run.root_dir", str(tmp_path),
-                          *extra(demo_data, 1).split()], cwd=REPO, env=slurm, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(["srun", "-N1", "--ntasks-per-node=2", slurm["LIT_DIST"], "fit",
+                          *quickstart_args(tmp_path, trainer__devices=1), *extra(demo_data, 1).split()],
+                         cwd=REPO, env=slurm, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - started
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "trainer.devices: 1 but Slurm runs 2 tasks per node (--ntasks-per-node)" in out.stderr

@@ -371,10 +371,10 @@ def test_ondemand_fills_the_cache_in_epoch_one_and_epoch_two_opens_no_source_ima
 
 
 def test_plan_shows_the_cache_coverage_and_refuses_mode_read_when_incomplete(tmp_path, demo_data):
-    from tests.conftest import CONFIGS, lit_dist
+    from tests.conftest import lit_dist, quickstart_args
 
-    args = ["plan", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-            "--data.cache.dir", str(tmp_path / "cache"), "--data.cache.mode", "read", "--data.allow_oversubscription", "true"]
+    args = ["plan", *quickstart_args(None, demo_data, data__cache__dir=tmp_path / "cache", data__cache__mode="read",
+                                     data__allow_oversubscription=True)]
     out = lit_dist(*args)
     assert out.returncode == 3 and "holds no cache" in out.stdout, out.stdout + out.stderr[-2000:]
     assert lit_dist("cache", *args[1:]).returncode == 0

@@ -25,9 +25,7 @@ GPU_ONLY = {"fsdp.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepsp
 @pytest.mark.parametrize("config", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_builds_model_data_and_trainer(config, tmp_path, demo_data):
     # Overlays (strategies, trainer options) are layered on the quickstart, the way their headers say.
-    configs = [CONFIGS / "quickstart.yaml"] + ([config] if config.name != "quickstart.yaml" else [])
-    args = [a for c in configs for a in ("--config", str(c))]
-    args += ["--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path)]
+    args = quickstart_args(tmp_path, demo_data, *([config] if config.name != "quickstart.yaml" else []))
     if config.name in GPU_ONLY and not torch.cuda.is_available():
         # Refused before any process starts, with the CPU alternatives named.
         with pytest.raises(ConfigError, match="needs CUDA GPUs.*(ddp|FSDP2Strategy)"):
@@ -66,8 +64,7 @@ def test_deepspeed_json_that_disagrees_with_the_run_is_refused(tmp_path):
 def test_several_configs_and_dotted_overrides_apply_in_order(tmp_path):
     extra = tmp_path / "extra.yaml"
     extra.write_text("model:\n  warmup_steps: 7\ndata:\n  batch_size_per_device: 5\n")
-    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(extra),
-                   "--data.batch_size_per_device", "6", "--print_config")
+    out = lit_dist("fit", *quickstart_args(None, None, extra, data__batch_size_per_device=6), "--print_config")
     assert out.returncode == 0, out.stderr
     config = yaml.safe_load(out.stdout)
     assert config["model"]["init_args"]["warmup_steps"] == 7
@@ -114,8 +111,7 @@ def test_help_lists_every_knob_with_a_description():
     ids=["unknown-key", "wrong-type", "bad-class-path", "bad-value", "missing-metadata", "default-root-dir"],
 )
 def test_bad_input_gets_one_clear_message_and_a_documented_exit_code(args, code, needles, tmp_path):
-    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--run.root_dir", str(tmp_path),
-                   "--trainer.max_epochs", "1", *args)
+    out = lit_dist("fit", *quickstart_args(tmp_path, trainer__max_epochs=1), *args)
     assert out.returncode == code, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "usage:" not in out.stderr
     error = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
@@ -126,8 +122,7 @@ def test_bad_input_gets_one_clear_message_and_a_documented_exit_code(args, code,
 
 def test_a_missing_table_is_a_data_error_not_a_demo_even_with_create_demo_if_missing(tmp_path):
     missing = tmp_path / "some" / "where" / "meta.parquet"
-    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(missing),
-                   "--run.root_dir", str(tmp_path / "runs"), cwd=tmp_path)
+    out = lit_dist("fit", *quickstart_args(tmp_path / "runs", missing), cwd=tmp_path)
     assert out.returncode == ExitCode.DATA_ERROR, out.stderr[-2000:]
     error = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
     assert len(error) == 1 and f"data.metadata = '{missing}'" in error[0] and "data/shapes/metadata.parquet" in error[0]
@@ -188,9 +183,8 @@ def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data)
 
 
 def test_validate_test_and_predict_use_a_checkpoint(tmp_path, demo_data):
-    common = ["--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-              "--run.root_dir", str(tmp_path), "--data.num_workers", "0", "--trainer.enable_progress_bar", "false",
-              "--data.batch_size_per_device", "8"]
+    common = quickstart_args(tmp_path, demo_data, data__num_workers=0, trainer__enable_progress_bar=False,
+                             data__batch_size_per_device=8)
     out = lit_dist("fit", *common, "--run.run_id", "train", "--trainer.max_epochs", "1")
     assert out.returncode == 0, out.stderr[-3000:]
     ckpt = next((tmp_path / "quickstart" / "train" / "checkpoints").glob("step-*"))
@@ -211,7 +205,6 @@ def test_validate_test_and_predict_use_a_checkpoint(tmp_path, demo_data):
 def test_every_callback_stack_loads(stack, tmp_path, demo_data, monkeypatch):
     monkeypatch.setenv("DISCORD_WEBHOOK_URL", "http://127.0.0.1:9/discord")
     monkeypatch.setenv("ORCHESTRATOR_URL", "http://127.0.0.1:9/raw")
-    cli = LitDistCLI(args=["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.callbacks", str(stack),
-                           "--data.metadata", str(demo_data), "--run.root_dir", str(tmp_path)], run=False)
+    cli = LitDistCLI(args=quickstart_args(tmp_path, demo_data, trainer__callbacks=stack), run=False)
     names = {type(c).__name__ for c in cli.trainer.callbacks}
     assert {"GPUCircuitBreaker", "WebhookNotifier"} <= names

@@ -6,7 +6,7 @@ import torch
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.data.sources import DatasetSource
 from lit_dist.errors import ConfigError
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import lit_dist, quickstart_args
 
 
 @pytest.fixture
@@ -41,6 +41,6 @@ def test_plan_lists_each_dataset_from_yaml(two_tables, tmp_path):
     config = tmp_path / "mix.yaml"
     config.write_text(f"data:\n  metadata: null\n  create_demo_if_missing: false\n  batch_size_per_device: 4\n"
                       f"  datasets:\n    - metadata: {a}\n      weight: 0.7\n    - metadata: {b}\n      weight: 0.3\n")
-    out = lit_dist("plan", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(config))
+    out = lit_dist("plan", *quickstart_args(None, None, config))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "dataset 0" in out.stdout and "dataset 1" in out.stdout and "weight 0.3" in out.stdout

@@ -2,11 +2,11 @@ from types import SimpleNamespace
 
 from lit_dist.errors import ExitCode
 from lit_dist.launch import world_size
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import lit_dist, quickstart_args
 
 
 def plan(*args, demo_data):
-    return lit_dist("plan", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data), *args)
+    return lit_dist("plan", *quickstart_args(None, demo_data), *args)
 
 
 def test_plan_prints_batches_lr_steps_and_buckets(demo_data):
@@ -47,7 +47,7 @@ def test_the_demos_verdict_does_not_depend_on_whether_it_was_generated_yet(tmp_p
     from lit_dist.data.demo import DEMO_METADATA, create_shapes_dataset
 
     # A fresh clone: 3,000 demo images cannot fill one global batch of 16,384.
-    args = ("plan", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.num_nodes", "64", "--trainer.devices", "8")
+    args = ("plan", *quickstart_args(trainer__num_nodes=64, trainer__devices=8))
     before = lit_dist(*args, cwd=tmp_path)
     assert not (tmp_path / "data").exists(), "plan must not generate the demo"
     create_shapes_dataset(str(tmp_path / DEMO_METADATA))

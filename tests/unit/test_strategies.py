@@ -56,12 +56,11 @@ def test_fsdp1_and_deepspeed_presets_construct_on_cpu():
 @pytest.mark.parametrize("preset", ["deepspeed_zero2_offload.yaml", "deepspeed_zero3_offload.yaml"])
 def test_offload_presets_without_deepspeed_name_the_install_command(preset, tmp_path):
     from lit_dist.errors import ExitCode
-    from tests.conftest import CONFIGS, lit_dist
+    from tests.conftest import CONFIGS, lit_dist, quickstart_args
 
     # A machine without DeepSpeed: the import fails as it would there.
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None\n")
-    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / preset),
-                   "--run.root_dir", str(tmp_path), env={"PYTHONPATH": str(tmp_path)})
+    out = lit_dist("fit", *quickstart_args(tmp_path, None, CONFIGS / preset), env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-2000:]
     error = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
     assert len(error) == 1 and "Type" not in error[0], out.stderr[-2000:]
