@@ -13,7 +13,7 @@ an arbitrary point and can hang in a collective (Lightning #21406, which is why 
 
 Outside Slurm (a SIGTERM from Kubernetes, say) the same save happens, then the exit with 11.
 The requeued job resumes from that checkpoint (``ckpt_path: auto``), at the same step and data
-position. Only the step in flight when the signal came is lost.
+position: nothing trained is lost (the checkpoint is of the step at which the ranks stopped).
 
 Submit with ``#SBATCH --signal=USR1@120 --requeue`` (the templates in ``slurm/`` do)::
 

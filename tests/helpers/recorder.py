@@ -179,3 +179,41 @@ class CollectiveCounter(Callback):
 
     def on_train_end(self, trainer, pl_module):
         write_rank_json(trainer, "collectives", self.rows)
+
+
+class SyncWatch(Callback):
+    """From optimizer step ``after`` on, runs under ``torch.cuda.set_sync_debug_mode("warn")`` and writes the
+    host-device synchronisations that lit-dist's own code (``called_by_lit_dist``, its model wrapper aside)
+    caused to ``{run dir}/syncs-rank{N}.json``: one ``[step, file:line]`` each."""
+
+    def __init__(self, after: int = 10):
+        self.after, self.syncs, self.active = after, [], False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import traceback
+        import warnings
+
+        import torch
+
+        if self.active or trainer.global_step < self.after:
+            return
+        self.active = True
+        previous = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            stack = traceback.extract_stack()
+            if "synchronizing" in str(message) and called_by_lit_dist(stack):
+                frame = next(f for f in reversed(stack[:-1]) if "/lit_dist/" in f.filename.replace(os.sep, "/"))
+                if not frame.filename.endswith("module.py"):
+                    self.syncs.append([trainer.global_step, f"{frame.filename}:{frame.lineno}"])
+            return previous(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = record
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_end(self, trainer, pl_module):
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        write_rank_json(trainer, "syncs", self.syncs)
