@@ -2,9 +2,10 @@
 
 Same model (SimpleCNN), same in-memory data, batch 64 per process, AdamW, gloo, one
 thread per process in both (torchrun's and Lightning's default for 2 processes on 2
-cores); runs alternate. Target (issue 4): ratio >= 0.95.
+cores); runs alternate. lit-dist runs as a user's run would: checkpoints every epoch, preemption
+handling, the run control's exchange every 5 steps. Target (issue "run control"): ratio >= 1.0.
 
-    .venv/bin/python -m benchmarks.bench_ddp [--repeats 3] [--steps 300]
+    .venv/bin/python -m benchmarks.bench_ddp [--repeats 5] [--steps 1000]
 """
 
 import argparse
@@ -18,8 +19,9 @@ from benchmarks.common import machine, result_line, run_bench
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=300)
+    # Runs of 300 steps vary by +-8 % on a 2-core machine: long runs, five of each.
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=1000)
     args = parser.parse_args()
     bindir = os.path.dirname(sys.executable)
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-")
@@ -40,8 +42,8 @@ def main() -> None:
     print(f"machine: {machine()}; DDP over gloo, 2 processes, {args.steps} steps, median of {args.repeats}")
     for name, value in med.items():
         print(f"  {name:9s} steps/s {value:8.2f}")
-    print(f"ratio (lit-dist / torchrun): {ratio:.3f}  (target >= 0.95) {'OK' if ratio >= 0.95 else 'MISSED'}")
-    result_line("ddp", round(ratio, 4), ">= 0.95", ratio >= 0.95,
+    print(f"ratio (lit-dist / torchrun): {ratio:.3f}  (target >= 1.0) {'OK' if ratio >= 1.0 else 'MISSED'}")
+    result_line("ddp", round(ratio, 4), ">= 1.0", ratio >= 1.0,
                 lit_dist_steps_per_s=round(med["lit-dist"], 2), torchrun_steps_per_s=round(med["torchrun"], 2),
                 steps=args.steps, repeats=args.repeats)
 
