@@ -129,7 +129,6 @@ class RunControl(Callback):
         self.sync_every_n_steps = sync_every_n_steps
         self.progress_every_s = progress_every_s
         self._last_progress = float("-inf")
-        self.exchanges = 0  # collectives launched (what tests and benchmarks count)
         self._facts: dict[str, tuple[str, Callable[[], float]]] = {}
         self._listeners: list[Callable[[object, Agreed], None]] = []
         self._epoch_hooks: list[Callable[[object], None]] = []
@@ -141,7 +140,6 @@ class RunControl(Callback):
         self._inflight = None
         self._last_step = -1
         self._connected = False
-        self._rank = 0
 
     def __repr__(self) -> str:
         return f"RunControl(sync_every_n_steps={self.sync_every_n_steps})"
@@ -198,7 +196,6 @@ class RunControl(Callback):
     # -- setup -------------------------------------------------------------------------------
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        self._rank = trainer.global_rank
         if self._connected:
             return
         self._connected = True
@@ -279,7 +276,6 @@ class RunControl(Callback):
             done = torch.cuda.Event()
             done.record()
             gathered = host
-        self.exchanges += 1
         self._inflight = (step, work, done, gathered, world, n)
 
     def _collect(self) -> Agreed:
