@@ -62,6 +62,9 @@ class BucketImageDataset(torch.utils.data.Dataset):
         self.fill = fill  # data.cache.mode ondemand: a FillKeys, which says what missing entries are written as
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
         self._logged: set[int] = set()  # bad samples already reported by this process
+        # Made in the training process (loader workers get a copy): which rank's log line it is.
+        group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self._who = f"rank {torch.distributed.get_rank()}: " if group and torch.distributed.get_world_size() > 1 else ""
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -139,8 +142,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
             except Exception as exc:  # any failure: missing file, truncated data, not an image, a bomb, a bad entry
                 if candidate not in self._logged:
                     self._logged.add(candidate)
-                    log.warning("lit-dist: cannot read %s (%s); using another image of the same bucket",
-                                self._path(candidate), _reason(exc))
+                    log.warning("lit-dist: %scannot read %s (%s); using another image of the same bucket",
+                                self._who, self._path(candidate), _reason(exc))
                 candidate = self._next_in_bucket(candidate)
         raise RuntimeError(f"8 images in a row of bucket {(width, height)} could not be read; last: {self._path(candidate)}")
 

@@ -7,7 +7,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_dist.errors import ExitCode
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import lit_dist, quickstart_args
 
 pytestmark = pytest.mark.distributed
 
@@ -22,10 +22,9 @@ def corrupted_copy(demo_data, tmp_path, every_nth):
 
 
 def fit(metadata, tmp_path, *extra):
-    return lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(metadata),
-                    "--data.batch_size_per_device", "8", "--data.num_workers", "0", "--trainer.devices", "2",
-                    "--trainer.strategy", "ddp", "--run.root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-                    *extra, timeout=240)
+    return lit_dist("fit", *quickstart_args(tmp_path, metadata, data__batch_size_per_device=8, data__num_workers=0,
+                                            trainer__devices=2, trainer__strategy="ddp",
+                                            trainer__enable_progress_bar=False), *extra, timeout=240)
 
 
 def test_many_bad_images_stop_both_ranks_with_the_data_error_code(demo_data, tmp_path):

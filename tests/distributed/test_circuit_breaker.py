@@ -6,7 +6,7 @@ import time
 import pytest
 
 from lit_dist.errors import ExitCode
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.http_server import Recorder
 
 pytestmark = pytest.mark.distributed
@@ -19,10 +19,9 @@ def test_a_fault_on_rank_1_stops_both_ranks_and_rank_1_reports_it(tmp_path, demo
     started = time.monotonic()
     try:
         out = lit_dist(
-            "fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-            "--data.batch_size_per_device", "8", "--data.num_workers", "0", "--trainer.devices", "2",
-            "--trainer.strategy", "ddp", "--trainer.max_epochs", "1000", "--run.root_dir", str(tmp_path),
-            "--trainer.enable_progress_bar", "false",
+            "fit", *quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, data__num_workers=0,
+                                    trainer__devices=2, trainer__strategy="ddp", trainer__max_epochs=1000,
+                                    trainer__enable_progress_bar=False),
             "--trainer.callbacks+=lit_dist.callbacks.circuit_breaker.GPUCircuitBreaker",
             "--trainer.callbacks.poll_interval_s", "0.2", "--control.sync_every_n_steps", "5",
             "--trainer.callbacks.nvml_module", "tests.helpers.fake_nvml", "--trainer.callbacks.device_index", "0",

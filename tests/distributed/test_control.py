@@ -7,15 +7,14 @@ import pytest
 
 from lit_dist.ckpt.store import CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import lit_dist, quickstart_args
 
 pytestmark = pytest.mark.distributed
 
 
 def fit(tmp_path, demo_data, *extra, timeout=300):
-    return lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-                    "--data.num_workers", "0", "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                    "--run.root_dir", str(tmp_path), "--run.run_id", "r", "--trainer.enable_progress_bar", "false",
+    return lit_dist("fit", *quickstart_args(tmp_path, demo_data, data__num_workers=0, trainer__devices=2,
+                                            trainer__strategy="ddp", run__run_id="r", trainer__enable_progress_bar=False),
                     *extra, timeout=timeout)
 
 

@@ -16,7 +16,7 @@ from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import CheckpointError, ConfigError, DataError
 from lit_dist.models import SimpleCNN
 from lit_dist.module import LitModel
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import lit_dist, quickstart_args
 
 
 def train(root, demo_data, max_steps=12, control=None, **checkpointing):
@@ -189,9 +189,8 @@ def test_monitor_records_the_metric_and_keeps_the_best(tmp_path, demo_data):
 
 
 def test_the_cli_resumes_by_default_and_says_where_it_fell_back(tmp_path, demo_data):
-    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-            "--data.batch_size_per_device", "8", "--run.root_dir", str(tmp_path), "--run.run_id", "r1",
-            "--trainer.enable_progress_bar", "false"]
+    args = ["fit", *quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, run__run_id="r1",
+                                    trainer__enable_progress_bar=False)]
     first = lit_dist(*args, "--trainer.max_epochs", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     folder = tmp_path / "quickstart" / "r1" / "checkpoints"

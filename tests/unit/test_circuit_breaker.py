@@ -32,13 +32,12 @@ def test_throttling_must_persist_and_thermal_slowdown_only_warns():
 def test_without_nvml_the_breaker_says_so_once_and_training_goes_on(tmp_path, demo_data):
     import json
 
-    from tests.conftest import CONFIGS, lit_dist
+    from tests.conftest import lit_dist, quickstart_args
 
     state = tmp_path / "nvml.json"
     state.write_text(json.dumps({"0": {"fail_init": True}}))
-    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-                   "--data.batch_size_per_device", "8", "--trainer.max_epochs", "1", "--run.root_dir", str(tmp_path),
-                   "--trainer.enable_progress_bar", "false",
+    out = lit_dist("fit", *quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, trainer__max_epochs=1,
+                                           trainer__enable_progress_bar=False),
                    "--trainer.callbacks+=lit_dist.callbacks.circuit_breaker.GPUCircuitBreaker",
                    "--trainer.callbacks.nvml_module", "tests.helpers.fake_nvml", "--trainer.callbacks.device_index", "0",
                    env={"FAKE_NVML_STATE": str(state)})

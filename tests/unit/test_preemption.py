@@ -18,7 +18,7 @@ from lit_dist.control import RunControl
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.module import LitModel
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import REPO, quickstart_args
 from tests.helpers.nets import DropoutCNN
 from tests.helpers.recorder import SignalAtStep
 
@@ -81,9 +81,9 @@ def test_unknown_signal_names_are_a_config_error():
 
 def test_sigterm_outside_slurm_saves_and_exits_11(tmp_path, demo_data):
     # What Kubernetes does before it kills a pod: SIGTERM, then a grace period.
-    cmd = [sys.executable, "-m", "lit_dist", "fit", "--config", str(CONFIGS / "quickstart.yaml"),
-           "--data.metadata", str(demo_data), "--data.batch_size_per_device", "8", "--trainer.max_epochs", "200",
-           "--run.root_dir", str(tmp_path), "--run.run_id", "k8s", "--trainer.enable_progress_bar", "false"]
+    cmd = [sys.executable, "-m", "lit_dist", "fit",
+           *quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, trainer__max_epochs=200, run__run_id="k8s",
+                            trainer__enable_progress_bar=False)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     folder = tmp_path / "quickstart" / "k8s" / "checkpoints"
     deadline = time.monotonic() + 120

@@ -7,7 +7,7 @@ import pytest
 
 from lit_dist.callbacks.webhooks import SCHEMA, WebhookNotifier, WebhookSink, discord_payload
 from lit_dist.errors import ConfigError
-from tests.conftest import CONFIGS, lit_dist
+from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.http_server import Recorder, self_signed_cert
 
 
@@ -134,9 +134,8 @@ def test_urls_come_from_env_or_file_and_missing_ones_are_named(monkeypatch, tmp_
 
 def test_a_real_run_reports_its_events_and_writes_no_secret(server, tmp_path, demo_data):
     url = server.url("/ok") + "?token=TOPSECRET-123"
-    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", str(demo_data),
-                   "--data.batch_size_per_device", "8", "--trainer.max_epochs", "1", "--run.root_dir", str(tmp_path),
-                   "--trainer.enable_progress_bar", "false",
+    out = lit_dist("fit", *quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, trainer__max_epochs=1,
+                                           trainer__enable_progress_bar=False),
                    "--trainer.callbacks+=lit_dist.callbacks.webhooks.WebhookNotifier",
                    "--trainer.callbacks.sinks", '[{"kind": "raw", "url_env": "HOOK_URL", "auth_header_env": "HOOK_TOKEN"}]',
                    env={"HOOK_URL": url, "HOOK_TOKEN": "Bearer TOPSECRET-456"})
