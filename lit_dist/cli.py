@@ -64,10 +64,12 @@ class LitDistCLI(LightningCLI):
         from lit_dist.callbacks.checkpoint import Checkpointing
         from lit_dist.callbacks.export import ExportModel
         from lit_dist.callbacks.preemption import Preemption
+        from lit_dist.callbacks.progress import Progress
         from lit_dist.control import RunControl
 
         parser.add_class_arguments(RunConfig, "run")
         parser.add_lightning_class_args(RunControl, "control")
+        parser.add_lightning_class_args(Progress, "progress")
         parser.add_lightning_class_args(Checkpointing, "checkpoint")
         parser.add_lightning_class_args(Preemption, "preemption")
         parser.add_lightning_class_args(ExportModel, "export")
@@ -104,6 +106,11 @@ class LitDistCLI(LightningCLI):
         if filled and rank_zero_only.rank == 0:  # the launcher's rank: no process group yet
             print(f"lit-dist: from the launcher: {', '.join(filled)}", flush=True)
         prepare_strategy(config)
+        if config.trainer.enable_progress_bar is not False:
+            # The bar's redraws fill a log file (a Slurm output) with unreadable megabytes: where stdout is not
+            # a terminal, Progress writes one plain line every progress.log_every_s seconds instead.
+            bar = config.progress.bar
+            config.trainer.enable_progress_bar = bar == "always" or (bar == "auto" and sys.stdout.isatty())
         if config.trainer.enable_checkpointing is False:
             # lit-dist's Checkpointing is a Lightning Checkpoint, which Lightning refuses next to this flag.
             config.trainer.enable_checkpointing = True

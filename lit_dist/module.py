@@ -19,15 +19,15 @@ Metrics it logs:
 ``train/loss``, ``train/acc``  per step (acc only for classification)
 ``val/loss``, ``val/acc``      per validation epoch, every sample counted once
 ``train/lr``                   learning rate of the first parameter group
-``throughput/samples_per_s``   global samples per second between log steps
 =============================  ===========================================
+
+(Throughput, FLOPs and MFU come from ``lit_dist.callbacks.progress``, in every run.)
 
 To train something other than a classifier, subclass it and override
 ``compute_loss``; name the subclass as ``model.class_path``.
 """
 
 import math
-import time
 from typing import Literal
 
 import torch
@@ -109,7 +109,6 @@ class LitModel(LightningModule):
         self.target_key = target_key
         self._eval_sums: torch.Tensor | None = None  # per-metric weighted sums, then the sample count
         self._eval_names: list[str] = []
-        self._throughput_mark: tuple[float, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -204,16 +203,9 @@ class LitModel(LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
-        # LR and throughput only on logging steps: nothing extra on the other steps' hot path.
-        if self.trainer.global_step % self.trainer.log_every_n_steps:
-            return
-        now, step = time.perf_counter(), self.trainer.global_step
-        if self._throughput_mark is not None and step > self._throughput_mark[1]:
-            then, then_step = self._throughput_mark
-            samples = (step - then_step) * (self.effective_batch_size() or len(batch[self.input_key]))
-            self.log("throughput/samples_per_s", samples / (now - then), rank_zero_only=True)
-        self._throughput_mark = (now, step)
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
+        # Only on logging steps: nothing extra on the other steps' hot path (throughput: lit_dist.callbacks.progress).
+        if self.trainer.global_step % self.trainer.log_every_n_steps == 0:
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch)

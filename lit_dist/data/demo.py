@@ -9,6 +9,7 @@ node never leaves a half-written dataset behind.
 import logging
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -43,8 +44,9 @@ def create_shapes_dataset(metadata_path: str, num_images: int = 3000, seed: int 
     try:
         rows = {"filename": [], "width": [], "height": [], "label": [], "caption": [], "split": []}
         samples = _samples(num_images, seed, val_fraction, draw=True)
+        # A bar only in a terminal: in a log file its redraws are noise.
         for row, image in tqdm(samples, total=num_images, desc="lit-dist: generating demo images", unit="img",
-                               mininterval=1.0):
+                               mininterval=1.0, disable=not sys.stderr.isatty()):
             os.makedirs(os.path.join(tmp, row["label"]), exist_ok=True)
             image.save(os.path.join(tmp, row["filename"]))
             for key, value in row.items():

@@ -1,0 +1,207 @@
+"""``Progress``: throughput that means something on GPUs, and a console that suits where it goes.
+
+Every run has it (the CLI's ``progress`` group). It measures, per window of ``log_every_n_steps``
+optimizer steps, on every rank and without a host-device synchronisation (host clocks around the
+loop, tensor shapes, a FLOP count taken once per batch shape):
+
+===========================================  =============================================================
+``throughput/samples_per_s``                 the job's samples per second (every rank trains as many)
+``throughput/samples_per_s_per_device``      this device's
+``throughput/tflops_per_device``             model FLOPs (forward and backward) per second per device
+``throughput/mfu``                           the same against the device's peak (table in lit_dist.perf,
+                                             or ``peak_tflops``); on CPU only with ``peak_tflops``
+``throughput/data_wait``                     share of the loop's wall time spent waiting for the next batch
+``throughput/samples_per_s_bucket_WxH``      per bucket shape (time from a batch's start to its end)
+===========================================  =============================================================
+
+Console: in a terminal Lightning's progress bar stays. When stdout is not a terminal (a Slurm
+output file, a pipe) the bar is off and rank 0 writes one plain line every ``log_every_s`` seconds,
+and one at each validation and checkpoint::
+
+    lit-dist: step 1200/40000 (3%) epoch 3 | loss 0.412 | lr 1.2e-04 | 5,120 samples/s | 81.2 TFLOP/s/device | MFU 41% | data wait 2% | ETA 2:13:40
+"""
+
+import sys
+import time
+from typing import Literal
+
+from lightning.pytorch import Callback
+
+from lit_dist.control import Event, RunControl
+from lit_dist.errors import ConfigError
+from lit_dist.perf import FlopMeter, Window, peak_tflops
+
+
+class Progress(Callback):
+    """Throughput, FLOPs, MFU and data wait to TensorBoard; plain progress lines where there is no terminal."""
+
+    def __init__(self, log_every_s: float = 30.0, peak_tflops: float | None = None,
+                 bar: Literal["auto", "always", "never"] = "auto"):
+        """Progress settings.
+
+        Args:
+            log_every_s: Seconds between progress lines when the bar is off (stdout not a terminal, or bar: never).
+            peak_tflops: Peak TFLOP/s of one device for MFU; default: from the GPU's name (dense BF16 peak).
+            bar: Lightning's progress bar: auto (only when stdout is a terminal), always or never.
+        """
+        problems = []
+        if log_every_s <= 0:
+            problems.append(f"progress.log_every_s: {log_every_s} must be positive")
+        if peak_tflops is not None and peak_tflops <= 0:
+            problems.append(f"progress.peak_tflops: {peak_tflops} must be positive (TFLOP/s of one device), or null")
+        if bar not in ("auto", "always", "never"):
+            problems.append(f"progress.bar: {bar!r} must be auto, always or never")
+        ConfigError.collect(problems)
+        self.log_every_s = log_every_s
+        self.peak_tflops = peak_tflops
+        self.bar = bar
+        self.flops_per_sample: dict[tuple, float] = {}  # batch shape (C, H, W) -> FLOPs of one sample
+        self.last: dict[str, float] = {}  # the figures of the last window
+        self._meter = FlopMeter()
+        self._measuring: tuple | None = None
+        self._window = Window()
+        self._line_window = Window()
+        self._last_line = time.monotonic()
+        self._batch_started: float | None = None
+        self._batch_ended: float | None = None
+        self._paused_at: float | None = None
+        self._lines = False
+        self._peak: float | None = None
+        self._total_steps: int | None = None
+        self._step: int | None = None
+
+    def connect(self, control: RunControl) -> None:
+        control.subscribe(self)
+
+    # -- console lines: events of the run control ------------------------------------------------
+
+    def send(self, event: Event) -> None:
+        if not self._lines:
+            return
+        if event.type == "validation.finished":
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(event.data.items()) if k.startswith("val/"))
+            self._print(f"validation at step {event.data.get('step')}: {shown or 'no metrics'}")
+        elif event.type == "checkpoint.saved":
+            self._print(f"checkpoint at step {event.data['step']} ({event.data['bytes'] / 1e6:.1f} MB, "
+                        f"{event.data['seconds']:.1f} s, {event.data['reason']})")
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        sys.stdout.flush()
+        return True
+
+    def _print(self, text: str) -> None:
+        print(f"lit-dist: {text}", flush=True)
+
+    # -- measuring --------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import torch
+
+        self._lines = trainer.is_global_zero and trainer.progress_bar_callback is None
+        device = trainer.strategy.root_device
+        self._peak = self.peak_tflops or (peak_tflops(torch.cuda.get_device_name(device))
+                                          if device.type == "cuda" else None)
+        try:
+            self._total_steps = int(trainer.estimated_stepping_batches)
+        except Exception:  # an iterable without a length: no total, no ETA
+            self._total_steps = None
+        self._window, self._line_window = Window(), Window()
+        self._last_line = time.monotonic()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        if self._batch_ended is not None:
+            waited = now - self._batch_ended
+            self._window.waiting += waited
+            self._line_window.waiting += waited
+        self._batch_started = now
+        shape = _input_shape(batch)
+        if shape is not None and shape not in self.flops_per_sample and not self._meter.running:
+            self._measuring = shape
+            self._meter.start()  # this one step's forward and backward, once per shape
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self._meter.running:
+            shape, self._measuring = self._measuring, None
+            self.flops_per_sample[shape[1:]] = self._meter.stop() / shape[0]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._meter.running:  # no backward ran (manual optimisation skipped it): nothing counted
+            self._meter.stop()
+            self._measuring = None
+        now = time.perf_counter()
+        self._batch_ended = now
+        shape = _input_shape(batch)
+        if shape is not None:
+            flops = self.flops_per_sample.get(shape[1:], 0.0) * shape[0]
+            for window in (self._window, self._line_window):
+                window.samples += shape[0]
+                window.flops += flops
+                bucket = window.buckets.setdefault(shape[2:], [0, 0.0])
+                bucket[0] += shape[0]
+                bucket[1] += now - (self._batch_started or now)
+        step = trainer.global_step
+        if step != self._step:  # an optimizer step ended (not an accumulated micro-batch)
+            self._step = step
+            self._window.steps += 1
+            self._line_window.steps += 1
+            if step % trainer.log_every_n_steps == 0:
+                self.last = self._window.figures(trainer.world_size, self._peak)
+                if trainer.is_global_zero and trainer.logger is not None:
+                    trainer.logger.log_metrics({f"throughput/{k}": v for k, v in self.last.items()
+                                                if k != "seconds_per_step"}, step=step)
+                self._window = Window()
+        if self._lines and time.monotonic() - self._last_line >= self.log_every_s:
+            self._last_line = time.monotonic()
+            self._print(self._line(trainer, self._line_window.figures(trainer.world_size, self._peak)))
+            self._line_window = Window()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._paused_at = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._paused_at is not None:
+            paused = time.perf_counter() - self._paused_at
+            self._window.paused += paused
+            self._line_window.paused += paused
+            self._paused_at = None
+        self._batch_ended = None  # the wait for the first batch after validation is the loader's start-up
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._lines and self._line_window.steps:
+            self._print(self._line(trainer, self._line_window.figures(trainer.world_size, self._peak)))
+
+    def _line(self, trainer, figures: dict[str, float]) -> str:
+        step, total = trainer.global_step, self._total_steps
+        parts = [f"step {step}/{total} ({step / total:.0%})" if total else f"step {step}",
+                 f"epoch {trainer.current_epoch}"]
+        loss = trainer.callback_metrics.get("train/loss")  # one copy to the host per line, not per step
+        head = [" ".join(parts)]
+        if loss is not None:
+            head.append(f"loss {float(loss):.4g}")
+        if trainer.optimizers:
+            head.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
+        head.append(f"{figures['samples_per_s']:,.0f} samples/s")
+        if "tflops_per_device" in figures:
+            head.append(f"{figures['tflops_per_device']:.3g} TFLOP/s/device")
+        if "mfu" in figures:
+            head.append(f"MFU {figures['mfu']:.0%}")
+        head.append(f"data wait {figures['data_wait']:.0%}")
+        if total and step < total:
+            head.append(f"ETA {_duration((total - step) * figures['seconds_per_step'])}")
+        return " | ".join(head)
+
+
+def _input_shape(batch) -> tuple | None:
+    """The shape of a batch's first tensor with a batch, channel and spatial dimensions (images, latents)."""
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]
+    for value in values:
+        shape = getattr(value, "shape", None)
+        if shape is not None and len(shape) == 4:
+            return tuple(int(d) for d in shape)
+    return None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

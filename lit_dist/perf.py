@@ -1,0 +1,78 @@
+"""What a training step costs and how fast it runs: FLOPs per sample, device peaks, throughput windows.
+
+- FLOPs are counted by PyTorch's FLOP counter (``torch.utils.flop_counter``) over one real forward and
+  backward per batch shape (buckets differ in shape and cost), per sample. Like the MFU convention of
+  the field (PaLM, Megatron), they count matrix multiplications and convolutions of forward and backward,
+  not the optimizer, norms or elementwise work.
+- Peaks are the dense BF16 tensor-core figures of the vendors' data sheets (no sparsity); MFU against
+  them. Any other device, or another precision: ``peak_tflops`` in the config.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+# TFLOP/s, dense BF16, by a fragment of torch.cuda.get_device_name(); the first match wins (PCIe before SXM).
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),  # SXM and NVL report "H100 80GB HBM3" / "H100 NVL"
+    ("H200", 989.4),
+    ("A100", 312.0),
+    ("L40S", 362.1),
+    ("MI300X", 1307.4),
+    ("MI250X", 383.0),
+)
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The dense BF16 peak of a GPU named ``device_name`` (torch.cuda.get_device_name()), or None if unknown."""
+    return next((peak for fragment, peak in PEAK_TFLOPS if fragment.lower() in device_name.lower()), None)
+
+
+class FlopMeter:
+    """Counts the FLOPs of what runs between ``start`` and ``stop`` (one forward and backward)."""
+
+    def __init__(self):
+        self._mode = None
+
+    @property
+    def running(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._mode = FlopCounterMode(display=False)
+        self._mode.__enter__()
+
+    def stop(self) -> int:
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        return int(mode.get_total_flops())
+
+
+@dataclass
+class Window:
+    """Training-loop time and work since the window began (this rank)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    samples: int = 0
+    steps: int = 0
+    flops: float = 0.0
+    waiting: float = 0.0  # seconds between a batch's end and the next one's start: the loader
+    paused: float = 0.0  # seconds spent outside training (validation)
+    buckets: dict = field(default_factory=dict)  # (H, W) -> [samples, seconds in their steps]
+
+    def figures(self, world_size: int, peak: float | None) -> dict[str, float]:
+        """Throughput of the window: samples/s (device and job), TFLOP/s per device, MFU, data-wait fraction."""
+        seconds = max(time.perf_counter() - self.started - self.paused, 1e-9)
+        figures = {"samples_per_s_per_device": self.samples / seconds,
+                   "samples_per_s": self.samples / seconds * world_size,  # every rank has as many batches
+                   "data_wait": min(self.waiting / seconds, 1.0), "seconds_per_step": seconds / max(self.steps, 1)}
+        if self.flops:
+            figures["tflops_per_device"] = self.flops / seconds / 1e12
+            if peak:
+                figures["mfu"] = figures["tflops_per_device"] / peak
+        for (height, width), (samples, spent) in sorted(self.buckets.items()):
+            if spent > 0:
+                figures[f"samples_per_s_bucket_{width}x{height}"] = samples / spent
+        return figures

@@ -1,0 +1,79 @@
+"""Throughput that means something: FLOPs per sample against a hand count, data wait of a slow and a fast
+loader, MFU from a configured peak, the peak table."""
+
+import time
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from lit_dist.callbacks.progress import Progress
+from lit_dist.control import RunControl
+from lit_dist.errors import ConfigError
+from lit_dist.models import SimpleCNN
+from lit_dist.module import LitModel
+from lit_dist.perf import peak_tflops
+
+
+class Images(torch.utils.data.Dataset):
+    def __init__(self, n=64, height=32, width=48, delay_s=0.0):
+        self.n, self.height, self.width, self.delay_s = n, height, width, delay_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.delay_s)
+        return {"image": torch.randn(3, self.height, self.width), "label": i % 4}
+
+
+def fit(dataset, progress, steps=16, batch_size=4, log_every=4):
+    seed_everything(0)
+    model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+    trainer = Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, callbacks=[RunControl(), progress], num_sanity_val_steps=0,
+                      limit_val_batches=0, log_every_n_steps=log_every)
+    trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=0))
+    return progress
+
+
+def conv_flops(c_in, c_out, h_out, w_out, k=3):
+    return 2 * c_in * c_out * k * k * h_out * w_out
+
+
+def test_flops_per_sample_of_the_reference_cnn_equal_a_hand_count():
+    progress = fit(Images(), Progress(peak_tflops=1.0), steps=2)
+    # SimpleCNN (16, 32, 64) on 32 x 48: three stride-2 3x3 convolutions, then a 64 -> 4 linear head.
+    convs = [conv_flops(3, 16, 16, 24), conv_flops(16, 32, 8, 12), conv_flops(32, 64, 4, 6)]
+    head = 2 * 64 * 4
+    forward = sum(convs) + head
+    # Backward: the gradients of the weights (as much as the forward) and of the inputs (as much again),
+    # except for the first convolution, whose input (the image) needs no gradient.
+    backward = 2 * forward - convs[0]
+    assert progress.flops_per_sample == {(3, 32, 48): forward + backward}
+
+
+def test_data_wait_is_near_one_with_a_slow_loader_and_near_zero_in_memory():
+    slow = fit(Images(delay_s=0.02), Progress())
+    fast = fit(Images(), Progress())
+    assert slow.last["data_wait"] > 0.7, slow.last
+    assert fast.last["data_wait"] < 0.3, fast.last
+    assert slow.last["samples_per_s"] < fast.last["samples_per_s"]
+
+
+def test_mfu_from_a_configured_peak_and_per_bucket_throughput():
+    progress = fit(Images(), Progress(peak_tflops=0.001))
+    figures = progress.last
+    assert figures["mfu"] == pytest.approx(figures["tflops_per_device"] / 0.001)
+    assert figures["samples_per_s_bucket_48x32"] > 0
+    assert "mfu" not in fit(Images(), Progress()).last, "on CPU, MFU only with a configured peak"
+
+
+def test_peaks_by_gpu_name_and_bad_settings():
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("AMD Instinct MI300X") == 1307.4
+    assert peak_tflops("NVIDIA GeForce GTX 1080") is None
+    with pytest.raises(ConfigError, match="progress.peak_tflops: -1"):
+        Progress(peak_tflops=-1)
