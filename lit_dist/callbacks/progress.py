@@ -10,7 +10,8 @@ loop, tensor shapes, a FLOP count taken once per batch shape):
 ``throughput/tflops_per_device``             model FLOPs (forward and backward) per second per device
 ``throughput/mfu``                           the same against the device's peak (table in lit_dist.perf,
                                              or ``peak_tflops``); on CPU only with ``peak_tflops``
-``throughput/data_wait``                     share of the loop's wall time spent waiting for the next batch
+``throughput/data_wait``                     share of the loop's wall time between one step's end and the next
+                                             one's start: the wait for the batch, and the loop's own work
 ``throughput/samples_per_s_bucket_WxH``      per bucket shape (time from a batch's start to its end)
 ===========================================  =============================================================
 
@@ -21,6 +22,7 @@ and one at each validation and checkpoint::
     lit-dist: step 1200/40000 (3%) epoch 3 | loss 0.412 | lr 1.2e-04 | 5,120 samples/s | 81.2 TFLOP/s/device | MFU 41% | data wait 2% | ETA 2:13:40
 """
 
+import logging
 import sys
 import time
 from typing import Literal
@@ -30,6 +32,8 @@ from lightning.pytorch import Callback
 from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError
 from lit_dist.perf import FlopMeter, Window, peak_tflops
+
+log = logging.getLogger(__name__)
 
 
 class Progress(Callback):
@@ -116,9 +120,13 @@ class Progress(Callback):
             self._line_window.waiting += waited
         self._batch_started = now
         shape = _input_shape(batch)
-        if shape is not None and shape not in self.flops_per_sample and not self._meter.running:
+        if shape is not None and shape[1:] not in self.flops_per_sample and not self._meter.running:
             self._measuring = shape
-            self._meter.start()  # this one step's forward and backward, once per shape
+            try:
+                self._meter.start()  # this one step's forward and backward, once per shape
+            except Exception as exc:  # a model the counter cannot follow: no FLOPs, training goes on
+                log.warning("lit-dist: cannot count the FLOPs of a step (%s); no TFLOP/s or MFU", exc)
+                self.flops_per_sample[shape[1:]] = 0.0
 
     def on_after_backward(self, trainer, pl_module) -> None:
         if self._meter.running:
