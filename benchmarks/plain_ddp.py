@@ -21,7 +21,7 @@ def main(steps: int, warmup: int = 20) -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(SimpleCNN(num_classes=4), gradient_as_bucket_view=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = InMemoryData()
+    data = InMemoryData(num_samples=32768)  # as bench_ddp gives lit-dist: epochs of 256 steps
     dataset = [{"image": data.images[i], "label": data.labels[i]} for i in range(len(data.labels))]
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_size=data.batch_size_per_device, sampler=sampler)
