@@ -1,6 +1,7 @@
 """Shared fixtures. Tiers are markers (see pyproject.toml); unmarked tests are ``unit``."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,10 +41,22 @@ def demo_data(tmp_path_factory) -> Path:
 def lit_dist(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real ``lit-dist`` command line in a subprocess, as a user would."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}
+    clean["PYTHONFAULTHANDLER"] = "1"  # a process killed by SIGABRT first writes every thread's stack
     clean.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "lit_dist", *args], cwd=cwd or REPO, env=clean, capture_output=True, text=True, timeout=timeout
-    )
+    # Its own session: on a hang, every process of the run (ranks, loader workers) can be reached at once.
+    proc = subprocess.Popen([sys.executable, "-m", "lit_dist", *args], cwd=cwd or REPO, env=clean, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"`lit-dist {' '.join(args)}` hung for {timeout} s; the stacks of its processes:\n{stderr[-20000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def quickstart_args(root_dir: Path | None = None, metadata: Path | None = None, *configs: Path, **overrides) -> list[str]:

@@ -148,3 +148,17 @@ def test_every_split_serves_each_sample_its_own_row_label_and_caption(demo_data,
     request = (0, list(range(0, len(val), 3)), 1.0)
     a, b = val[request], pickle.loads(sent)[request]
     assert a["caption"] == b["caption"] and all(torch.equal(a[k], b[k]) for k in ("row", "label", "image"))
+
+
+def test_no_allocator_thread_that_a_forked_loader_worker_could_deadlock_on():
+    # pyarrow's jemalloc background thread, alive at a DataLoader worker's fork, once left the worker stuck in
+    # fork and its rank waiting forever; lit-dist turns it off before pyarrow is imported.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import glob, lit_dist, pyarrow.parquet; "
+            "print(sorted(open(p).read().strip() for p in glob.glob('/proc/self/task/*/comm')))")
+    env = {k: v for k, v in os.environ.items() if k != "JE_ARROW_MALLOC_CONF"}
+    threads = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert "jemalloc_bg_thd" not in threads, threads
