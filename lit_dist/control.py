@@ -93,20 +93,20 @@ class Stop:
 class Agreed:
     """The facts of one exchange, the same on every rank."""
 
-    def __init__(self, step: int, names: list[str], reduces: list[str], table: torch.Tensor):
+    def __init__(self, step: int, layout: dict[str, tuple[int, str]], table: torch.Tensor):
         self.step = step  # the optimizer step at which the facts were read
-        self._index = {name: i for i, name in enumerate(names)}
+        self._layout = layout  # name -> (column, reduce)
         self._table = table  # [world, facts], float64, on the host
-        self._reduces = reduces
 
     def __getitem__(self, name: str) -> float:
         """The fact reduced over ranks (max or sum, as shared)."""
-        column = self._table[:, self._index[name]]
-        return float(column.max() if self._reduces[self._index[name]] == "max" else column.sum())
+        column, reduce = self._layout[name]
+        values = self._table[:, column]
+        return float(values.max() if reduce == "max" else values.sum())
 
     def per_rank(self, name: str) -> list[float]:
         """Every rank's value of the fact, in rank order."""
-        return self._table[:, self._index[name]].tolist()
+        return self._table[:, self._layout[name][0]].tolist()
 
 
 class RunControl(Callback):
@@ -207,11 +207,15 @@ class RunControl(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._last_step = trainer.global_step
+        # Facts travel by position in this order; components shared them at setup, so it is fixed from here.
+        self._names = sorted(self._facts)
+        self._layout = {name: (i, self._facts[name][0]) for i, name in enumerate(self._names)}
+        self._readers = [self._facts[name][1] for name in self._names]
         if trainer.world_size > 1:
-            # Once per fit, not per step: facts travel by position, so every rank must share the same ones.
+            # Once per fit, not per step: every rank must share the same facts.
             from lit_dist.distributed import all_gather_object
 
-            layouts = all_gather_object(trainer, sorted(self._facts))
+            layouts = all_gather_object(trainer, self._names)
             if any(layout != layouts[0] for layout in layouts):
                 raise ConfigError("run control: ranks share different facts ("
                                   + "; ".join(f"rank {r}: {', '.join(names) or 'none'}" for r, names in enumerate(layouts))
@@ -235,7 +239,7 @@ class RunControl(Callback):
             return
         self._last_step = step
         if trainer.world_size == 1:  # nothing to agree with: the local facts are the agreed ones
-            self._decide(trainer, Agreed(step, *self._layout(), self._read().unsqueeze(0)))
+            self._decide(trainer, Agreed(step, self._layout, self._read().unsqueeze(0)))
         else:
             if self._inflight is not None:
                 self._decide(trainer, self._collect())
@@ -248,13 +252,8 @@ class RunControl(Callback):
             self.publish(Event("run.progress", "info", f"Step {step}", "",
                                {"step": step, "epoch": trainer.current_epoch, **metrics(trainer, "train/")}))
 
-    def _layout(self) -> tuple[list[str], list[str]]:
-        names = sorted(self._facts)
-        return names, [self._facts[n][0] for n in names]
-
     def _read(self) -> torch.Tensor:
-        names, _ = self._layout()
-        return torch.tensor([float(self._facts[n][1]()) for n in names], dtype=torch.float64)
+        return torch.tensor([float(read()) for read in self._readers], dtype=torch.float64)
 
     def _launch(self, trainer, step: int) -> None:
         """Start the all-gather of this rank's facts; ``_collect`` reads it at the next boundary."""
@@ -285,7 +284,7 @@ class RunControl(Callback):
             done.synchronize()  # the exchange of the previous boundary: not the work queued since
         else:
             work.wait()
-        return Agreed(step, *self._layout(), gathered.view(world, n).cpu())
+        return Agreed(step, self._layout, gathered.view(world, n).cpu())
 
     def _decide(self, trainer, agreed: Agreed) -> None:
         for listener in self._listeners:

@@ -9,7 +9,7 @@
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # TFLOP/s, dense BF16, by a fragment of torch.cuda.get_device_name(); the first match wins (PCIe before SXM).
 PEAK_TFLOPS = (
@@ -51,10 +51,9 @@ class FlopMeter:
 
 
 @dataclass
-class Window:
-    """Training-loop time and work since the window began (this rank)."""
+class Totals:
+    """Running sums of this rank's training loop since training started; a window is the difference of two."""
 
-    started: float = field(default_factory=time.perf_counter)
     samples: int = 0
     steps: int = 0
     flops: float = 0.0
@@ -62,17 +61,26 @@ class Window:
     paused: float = 0.0  # seconds spent outside training (validation)
     buckets: dict = field(default_factory=dict)  # (H, W) -> [samples, seconds in their steps]
 
-    def figures(self, world_size: int, peak: float | None) -> dict[str, float]:
-        """Throughput of the window: samples/s (device and job), TFLOP/s per device, MFU, data-wait fraction."""
-        seconds = max(time.perf_counter() - self.started - self.paused, 1e-9)
-        figures = {"samples_per_s_per_device": self.samples / seconds,
-                   "samples_per_s": self.samples / seconds * world_size,  # every rank has as many batches
-                   "data_wait": min(self.waiting / seconds, 1.0), "seconds_per_step": seconds / max(self.steps, 1)}
-        if self.flops:
-            figures["tflops_per_device"] = self.flops / seconds / 1e12
+    def mark(self) -> tuple[float, "Totals"]:
+        """(now, a copy of the sums): where a window begins."""
+        return time.perf_counter(), replace(self, buckets={k: list(v) for k, v in self.buckets.items()})
+
+    def figures(self, mark: tuple[float, "Totals"], world_size: int, peak: float | None) -> dict[str, float]:
+        """Throughput since ``mark``: samples/s (device and job), TFLOP/s per device, MFU, data-wait fraction."""
+        started, then = mark
+        seconds = max(time.perf_counter() - started - (self.paused - then.paused), 1e-9)
+        samples = self.samples - then.samples
+        figures = {"samples_per_s_per_device": samples / seconds,
+                   "samples_per_s": samples / seconds * world_size,  # every rank has as many batches
+                   "data_wait": min((self.waiting - then.waiting) / seconds, 1.0),
+                   "seconds_per_step": seconds / max(self.steps - then.steps, 1)}
+        flops = self.flops - then.flops
+        if flops:
+            figures["tflops_per_device"] = flops / seconds / 1e12
             if peak:
                 figures["mfu"] = figures["tflops_per_device"] / peak
-        for (height, width), (samples, spent) in sorted(self.buckets.items()):
-            if spent > 0:
-                figures[f"samples_per_s_bucket_{width}x{height}"] = samples / spent
+        for (height, width), (count, spent) in sorted(self.buckets.items()):
+            before = then.buckets.get((height, width), (0, 0.0))
+            if spent > before[1]:
+                figures[f"samples_per_s_bucket_{width}x{height}"] = (count - before[0]) / (spent - before[1])
         return figures

@@ -31,7 +31,7 @@ from lightning.pytorch import Callback
 
 from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError
-from lit_dist.perf import FlopMeter, Window, peak_tflops
+from lit_dist.perf import FlopMeter, Totals, peak_tflops
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,10 @@ class Progress(Callback):
         self.last: dict[str, float] = {}  # the figures of the last window
         self._meter = FlopMeter()
         self._measuring: tuple | None = None
-        self._window = Window()
-        self._line_window = Window()
-        self._last_line = time.monotonic()
+        self._totals = Totals()
+        self._log_mark = self._line_mark = self._totals.mark()  # where the TensorBoard and console windows began
         self._batch_started: float | None = None
+        self._shape: tuple | None = None  # the batch in flight's input shape
         self._batch_ended: float | None = None
         self._paused_at: float | None = None
         self._lines = False
@@ -109,17 +109,15 @@ class Progress(Callback):
             self._total_steps = int(trainer.estimated_stepping_batches)
         except Exception:  # an iterable without a length: no total, no ETA
             self._total_steps = None
-        self._window, self._line_window = Window(), Window()
-        self._last_line = time.monotonic()
+        self._totals = Totals()
+        self._log_mark = self._line_mark = self._totals.mark()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = time.perf_counter()
         if self._batch_ended is not None:
-            waited = now - self._batch_ended
-            self._window.waiting += waited
-            self._line_window.waiting += waited
+            self._totals.waiting += now - self._batch_ended
         self._batch_started = now
-        shape = _input_shape(batch)
+        shape = self._shape = _input_shape(batch)
         if shape is not None and shape[1:] not in self.flops_per_sample and not self._meter.running:
             self._measuring = shape
             try:
@@ -137,47 +135,44 @@ class Progress(Callback):
         if self._meter.running:  # no backward ran (manual optimisation skipped it): nothing counted
             self._meter.stop()
             self._measuring = None
-        now = time.perf_counter()
-        self._batch_ended = now
-        shape = _input_shape(batch)
+        now = self._batch_ended = time.perf_counter()
+        totals, shape = self._totals, self._shape
         if shape is not None:
-            flops = self.flops_per_sample.get(shape[1:], 0.0) * shape[0]
-            for window in (self._window, self._line_window):
-                window.samples += shape[0]
-                window.flops += flops
-                bucket = window.buckets.setdefault(shape[2:], [0, 0.0])
-                bucket[0] += shape[0]
-                bucket[1] += now - (self._batch_started or now)
+            totals.samples += shape[0]
+            totals.flops += self.flops_per_sample.get(shape[1:], 0.0) * shape[0]
+            bucket = totals.buckets.setdefault(shape[2:], [0, 0.0])
+            bucket[0] += shape[0]
+            bucket[1] += now - self._batch_started
         step = trainer.global_step
         if step != self._step:  # an optimizer step ended (not an accumulated micro-batch)
             self._step = step
-            self._window.steps += 1
-            self._line_window.steps += 1
+            totals.steps += 1
             if step % trainer.log_every_n_steps == 0:
-                self.last = self._window.figures(trainer.world_size, self._peak)
+                self.last = totals.figures(self._log_mark, trainer.world_size, self._peak)
+                self._log_mark = totals.mark()
                 if trainer.is_global_zero and trainer.logger is not None:
                     trainer.logger.log_metrics({f"throughput/{k}": v for k, v in self.last.items()
                                                 if k != "seconds_per_step"}, step=step)
-                self._window = Window()
-        if self._lines and time.monotonic() - self._last_line >= self.log_every_s:
-            self._last_line = time.monotonic()
-            self._print(self._line(trainer, self._line_window.figures(trainer.world_size, self._peak)))
-            self._line_window = Window()
+        if self._lines and now - self._line_mark[0] >= self.log_every_s:
+            self._print_line(trainer)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._paused_at = time.perf_counter()
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if self._paused_at is not None:
-            paused = time.perf_counter() - self._paused_at
-            self._window.paused += paused
-            self._line_window.paused += paused
+            self._totals.paused += time.perf_counter() - self._paused_at
             self._paused_at = None
         self._batch_ended = None  # the wait for the first batch after validation is the loader's start-up
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._lines and self._line_window.steps:
-            self._print(self._line(trainer, self._line_window.figures(trainer.world_size, self._peak)))
+        if self._lines and self._totals.steps > self._line_mark[1].steps:
+            self._print_line(trainer)
+
+    def _print_line(self, trainer) -> None:
+        figures = self._totals.figures(self._line_mark, trainer.world_size, self._peak)
+        self._line_mark = self._totals.mark()
+        self._print(self._line(trainer, figures))
 
     def _line(self, trainer, figures: dict[str, float]) -> str:
         step, total = trainer.global_step, self._total_steps

@@ -204,9 +204,13 @@ class WebhookNotifier(Callback):
             for event in events:
                 self._deliver(session, event, deadline)
         finally:
-            with self._cond:
-                self._busy -= 1
-                self._cond.notify_all()
+            self._done()
+
+    def _done(self) -> None:
+        """One sender finished its work: a flush waiting for it may end."""
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify_all()
 
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -226,9 +230,7 @@ class WebhookNotifier(Callback):
             try:
                 self._deliver(session, event)
             finally:
-                with self._cond:
-                    self._busy -= 1
-                    self._cond.notify_all()
+                self._done()
 
     def _deliver(self, session, event: dict, deadline: float | None = None) -> None:
         """Post ``event`` to every sink that wants it; each post within deadline_s (and ``deadline``)."""
