@@ -6,11 +6,10 @@ run needs are loaded (DeepSpeed, pyarrow and Pillow are imported on use).
 
 import os
 
-# pyarrow's jemalloc starts a background thread when pyarrow is imported. A DataLoader worker forked while
-# that thread holds one of jemalloc's locks deadlocks before it runs a line (seen in CI: a rank waiting
-# forever for its validation loader's worker, the worker stuck in fork). Without the thread, jemalloc's
-# own fork handlers keep a fork safe. It must be set before pyarrow is first imported; a user's own
-# setting stays.
+# pyarrow's jemalloc starts a background thread when pyarrow is imported; a process forked while that
+# thread holds one of jemalloc's locks can deadlock. Loader workers are forked (by the training process,
+# or by the single-threaded fork server that lit_dist.data.workers uses where fork is unsafe for another
+# reason), so the thread is off. It must be set before pyarrow is first imported; a user's own setting stays.
 os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
 __version__ = "0.1.0"

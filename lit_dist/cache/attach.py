@@ -52,7 +52,8 @@ def build_for(data, device: torch.device, verify: bool = False, parts: list | No
     from lit_dist.cache.build import build
 
     plan = plan_for(data, parts if parts is not None else data.read())
-    return plan, build(plan, device, data.num_workers, data.batch_size_per_device, verify=verify)
+    return plan, build(plan, device, data.num_workers, data.batch_size_per_device, verify=verify,
+                       worker_start=data.worker_start)
 
 
 def open_views(data, parts: list, device: torch.device) -> Opened:

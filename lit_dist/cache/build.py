@@ -29,6 +29,7 @@ import torch
 from lit_dist.cache.plan import CachePlan
 from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import new_build_id
+from lit_dist.data.workers import Start, context
 from lit_dist.distributed import Comm
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.slurm import requeue
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: int, verify: bool = False,
-          comm: Comm | None = None, progress: bool = True) -> dict:
+          comm: Comm | None = None, progress: bool = True, worker_start: Start = "auto") -> dict:
     """Build what ``plan`` lacks, on every rank; returns rank 0's summary (the same dict on every rank)."""
     comm = comm or Comm.current()
     prepare(plan, comm)
@@ -54,7 +55,7 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
         if work:
             check_encoder(plan, device)
         with _PreemptionFlag() as preempted:
-            _run(plan, mine, device, num_workers, outcome, comm.rank, progress, preempted)
+            _run(plan, mine, device, num_workers, outcome, comm.rank, progress, preempted, worker_start)
         outcome["preempted"] = preempted.received
         return outcome
 
@@ -290,14 +291,15 @@ class _Builder:
 
 
 def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, outcome: dict, rank: int,
-         progress: bool, preempted: "_PreemptionFlag | None" = None) -> None:
+         progress: bool, preempted: "_PreemptionFlag | None" = None, worker_start: Start = "auto") -> None:
     from tqdm import tqdm
 
     builder = _Builder(plan, device, outcome, rank)
     # Its own generator: a loader started from the global RNG would shift every random draw of the training
     # that follows (mode build), and a run would differ from one that found the cache complete.
     loader = torch.utils.data.DataLoader(_Decode(plan, mine), batch_size=None, num_workers=num_workers,
-                                         collate_fn=_as_is, generator=torch.Generator().manual_seed(0))
+                                         collate_fn=_as_is, generator=torch.Generator().manual_seed(0),
+                                         multiprocessing_context=context(worker_start) if num_workers > 0 else None)
     total = sum(len(rows) for _, rows, _ in mine)
     with tqdm(total=total, desc=f"lit-dist cache (rank {rank})", unit="img", disable=not progress or rank != 0,
               mininterval=2) as bar:

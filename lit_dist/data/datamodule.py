@@ -30,6 +30,7 @@ from lit_dist.cache.config import CacheConfig
 from lit_dist.control import RunControl
 from lit_dist.data.health import BadSamples
 from lit_dist.data.sources import DatasetSource
+from lit_dist.data.workers import START_METHODS, Start, context, start_early
 from lit_dist.errors import ConfigError, DataError
 
 
@@ -56,6 +57,7 @@ class BucketDataModule(LightningDataModule):
         index_cache: str | None = None,
         preserve_cache: bool = False,
         num_workers: int = 2,
+        worker_start: Start = "auto",
         seed: int = 0,
         mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
         std: tuple[float, float, float] = (0.5, 0.5, 0.5),
@@ -87,6 +89,7 @@ class BucketDataModule(LightningDataModule):
             index_cache: With scan_root: where the index is cached; default ~/.cache/lit-dist/index-<hash>.parquet.
             preserve_cache: With scan_root: use the cached index as it is, without rescanning the folder.
             num_workers: Loader worker processes per device; 0 loads in the training process.
+            worker_start: How loader workers start: auto is fork, or forkserver on Pythons whose fork can hang (README).
             seed: Seed of the data order and random crops; the order depends only on (seed, epoch).
             mean: Per-channel mean subtracted after scaling pixels to [0, 1].
             std: Per-channel standard deviation divided by after subtracting the mean.
@@ -115,6 +118,8 @@ class BucketDataModule(LightningDataModule):
             problems.append(f"data.val_fraction = {val_fraction}: must be in [0, 1)")
         if num_workers < 0:
             problems.append(f"data.num_workers = {num_workers}: must be >= 0 (0 loads in the training process)")
+        if worker_start not in START_METHODS:
+            problems.append(f"data.worker_start = {worker_start!r}: must be one of {', '.join(START_METHODS)}")
         if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
             problems.append(f"data.mean = {list(mean)}, data.std = {list(std)}: need 3 values each, std > 0")
         if cache is not None:  # None: no cache, as in code that builds the module without the CLI
@@ -135,6 +140,9 @@ class BucketDataModule(LightningDataModule):
         self.strict = strict
         self.preserve_cache = preserve_cache
         self.num_workers = num_workers
+        self.worker_start = worker_start
+        if num_workers > 0:
+            start_early(worker_start)
         self.seed = seed
         self.max_image_pixels = max_image_pixels
         self.bad_samples = BadSamples(max_bad_fraction)
@@ -343,6 +351,7 @@ class BucketDataModule(LightningDataModule):
             # Filling the cache, workers restart each epoch to carry the lookups of entries made in the last one.
             persistent_workers=self.num_workers > 0 and self._filler is None,
             pin_memory=torch.cuda.is_available(),
+            multiprocessing_context=context(self.worker_start) if self.num_workers > 0 else None,
         )
 
     def _eval_loader(self, split: str, distributed: bool = True):

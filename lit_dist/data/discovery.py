@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lit_dist.data.workers import context
+
 if TYPE_CHECKING:
     from lit_dist.distributed import Comm
 
@@ -172,7 +174,7 @@ def _read_sizes(fs, paths: list[str], workers: int | None, progress_title: str |
     # stores, where the time goes into waiting for the network.
     if local:
         # Below a few thousand files, starting processes costs more than it saves (~30 us per header).
-        pool = ProcessPoolExecutor(workers) if workers > 1 and len(paths) >= 5000 else None
+        pool = ProcessPoolExecutor(workers, mp_context=context()) if workers > 1 and len(paths) >= 5000 else None
         job = _header_sizes_local
         args = chunks
     else:

@@ -151,8 +151,8 @@ def test_every_split_serves_each_sample_its_own_row_label_and_caption(demo_data,
 
 
 def test_no_allocator_thread_that_a_forked_loader_worker_could_deadlock_on():
-    # pyarrow's jemalloc background thread, alive at a DataLoader worker's fork, once left the worker stuck in
-    # fork and its rank waiting forever; lit-dist turns it off before pyarrow is imported.
+    # A process forked while pyarrow's jemalloc background thread holds a lock can deadlock; lit-dist turns
+    # the thread off before pyarrow is imported (the fork server in test_workers.py has no thread at all).
     import os
     import subprocess
     import sys

@@ -1,0 +1,70 @@
+"""How loader workers start (lit_dist.data.workers): fork only where CPython forks a threaded process safely."""
+
+import multiprocessing
+import os
+import sys
+
+import pytest
+import torch
+
+from lit_dist.data import workers
+from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("version", "safe"), [
+    ((3, 10, 14), False), ((3, 10, 15), True), ((3, 11, 7), False), ((3, 11, 9), False), ((3, 11, 10), True),
+    ((3, 12, 0), True), ((3, 13, 1), True),
+])
+def test_fork_is_used_only_on_pythons_with_the_thread_state_lock_fix(version, safe):
+    assert workers.fork_is_safe(version) is safe
+
+
+def test_auto_means_fork_or_forkserver_by_this_python_and_explicit_choices_stay():
+    assert workers.method("auto") == ("fork" if workers.fork_is_safe() else "forkserver")
+    for start in ("fork", "forkserver", "spawn"):
+        assert workers.method(start) == start
+    with pytest.raises(ConfigError, match=r"data.worker_start = 'thread': must be one of auto, fork, forkserver, spawn"):
+        BucketDataModule(metadata="m.parquet", worker_start="thread")
+
+
+def _batches(dm: BucketDataModule, split: str) -> list[dict]:
+    loader = dm.val_dataloader() if split == "val" else dm.train_dataloader()
+    return [batch for _, batch in zip(range(3), loader)]
+
+
+def test_forkserver_workers_serve_the_batches_fork_workers_serve_from_a_single_threaded_server(demo_data):
+    made = {}
+    for start in ("fork", "forkserver"):
+        dm = BucketDataModule(metadata=str(demo_data), batch_size_per_device=8, resolution=32, num_workers=2,
+                              worker_start=start, cache=None)
+        dm.setup("fit")
+        made[start] = {split: _batches(dm, split) for split in ("train", "val")}
+        if start == "forkserver":
+            loader = dm.val_dataloader()
+            assert loader.multiprocessing_context.get_start_method() == "forkserver"
+            # The server forks every worker: it must have no thread that could hold a lock at fork.
+            server = multiprocessing.forkserver._forkserver._forkserver_pid
+            assert server is not None
+            assert len(os.listdir(f"/proc/{server}/task")) == 1, os.listdir(f"/proc/{server}/task")
+    for split in ("train", "val"):
+        for a, b in zip(made["fork"][split], made["forkserver"][split], strict=True):
+            assert a.keys() == b.keys()
+            for key in a:
+                if isinstance(a[key], torch.Tensor):
+                    assert torch.equal(a[key], b[key]), (split, key)
+                else:
+                    assert a[key] == b[key], (split, key)
+
+
+@pytest.mark.skipif(workers.fork_is_safe(), reason="this Python forks threaded processes safely")
+def test_on_this_python_a_data_module_starts_its_fork_server_when_it_is_made(demo_data):
+    import subprocess
+
+    code = ("import multiprocessing.forkserver as f; from lit_dist.data.datamodule import BucketDataModule; "
+            f"BucketDataModule(metadata={str(demo_data)!r}, num_workers=1, cache=None); "
+            "print(f._forkserver._forkserver_pid is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
