@@ -166,7 +166,8 @@ class LitDistCLI(LightningCLI):
         checkpointing = self.config_init[self.subcommand].get("checkpoint")
         if what == "fit" and checkpointing is not None and checkpointing.last_path:
             print(f"  checkpoint:    {checkpointing.last_path}")
-        print(f"  watch it:      tensorboard --logdir {run_path}\n", flush=True)
+        print(f"  watch it:      tensorboard --logdir {run_path}")
+        print(f"  summary:       lit-dist report {run_path}\n", flush=True)
 
 
 class RunConfigCLI(LitDistCLI):

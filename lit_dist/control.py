@@ -133,6 +133,7 @@ class RunControl(Callback):
         self._listeners: list[Callable[[object, Agreed], None]] = []
         self._epoch_hooks: list[Callable[[object], None]] = []
         self._end_hooks: list[Callable[[object], None]] = []
+        self._summaries: dict[str, Callable[[], dict]] = {}  # name -> read(), sent with run.finished
         self._subscribers: list[Subscriber] = []
         self._saver = None
         self._saves: list[str] = []
@@ -163,6 +164,10 @@ class RunControl(Callback):
     def at_train_end(self, hook: Callable[[object], None]) -> None:
         """Call ``hook(trainer)`` when training ends, on every rank (collectives allowed)."""
         self._end_hooks.append(hook)
+
+    def summarize(self, name: str, read: Callable[[], dict]) -> None:
+        """Send ``read()`` under ``name`` with ``run.finished`` (rank 0), e.g. the goodput ledger."""
+        self._summaries[name] = read
 
     def subscribe(self, subscriber: Subscriber) -> None:
         """Receive every published event (``send``) and the flushes at the end of the run."""
@@ -329,7 +334,8 @@ class RunControl(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
             self.publish(Event("run.finished", "info", "Run finished", "",
-                               {"step": trainer.global_step, "epoch": trainer.current_epoch, **metrics(trainer, "val/")}))
+                               {"step": trainer.global_step, "epoch": trainer.current_epoch, **metrics(trainer, "val/"),
+                                **{name: read() for name, read in self._summaries.items()}}))
         self.flush()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

@@ -15,6 +15,10 @@ loop, tensor shapes, a FLOP count taken once per batch shape):
 ``throughput/samples_per_s_bucket_WxH``      per bucket shape (time from a batch's start to its end)
 ===========================================  =============================================================
 
+Goodput (``lit_dist.goodput``): where the wall time went (training, data waits, checkpoint stalls,
+validation, start-up, work lost to restarts), kept in every checkpoint so that it adds up over
+requeues; logged as ``goodput/*``, printed at the end of ``fit`` and sent with ``run.finished``.
+
 Console: in a terminal Lightning's progress bar stays. When stdout is not a terminal (a Slurm
 output file, a pipe) the bar is off and rank 0 writes one plain line every ``log_every_s`` seconds,
 and one at each validation and checkpoint::
@@ -23,15 +27,18 @@ and one at each validation and checkpoint::
 """
 
 import logging
+import os
 import sys
 import time
 from typing import Literal
 
 from lightning.pytorch import Callback
 
+from lit_dist import goodput
 from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError
 from lit_dist.perf import FlopMeter, Totals, peak_tflops
+from lit_dist.run import process_age_s
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +80,24 @@ class Progress(Callback):
         self._peak: float | None = None
         self._total_steps: int | None = None
         self._step: int | None = None
+        # Goodput: the ledger of earlier attempts (from the checkpoint), this attempt's journal (rank 0).
+        self._carried: goodput.Ledger | None = None  # as loaded from the checkpoint
+        self._carried_from: tuple[int | None, float | None] = (None, None)  # (attempt that saved it, when)
+        self._ledger = goodput.Ledger()  # earlier attempts; this one's seconds are added when asked
+        self._journal: goodput.Journal | None = None
+        self._started = time.time() - (process_age_s() or 0.0)  # this attempt's start: the process's
+        self._first_batch: float | None = None  # perf_counter of this attempt's first training batch
+        self._blocked = 0.0  # checkpoint stall not yet taken out of the interval it fell in
 
     def connect(self, control: RunControl) -> None:
         control.subscribe(self)
+        control.summarize("goodput", lambda: self.ledger().to_dict())
 
     # -- console lines: events of the run control ------------------------------------------------
 
     def send(self, event: Event) -> None:
+        if event.type == "checkpoint.saved":
+            self._saved(event)
         if not self._lines:
             return
         if event.type == "validation.finished":
@@ -88,6 +106,14 @@ class Progress(Callback):
         elif event.type == "checkpoint.saved":
             self._print(f"checkpoint at step {event.data['step']} ({event.data['bytes'] / 1e6:.1f} MB, "
                         f"{event.data['seconds']:.1f} s, {event.data['reason']})")
+
+    def _saved(self, event: Event) -> None:
+        """Rank 0: a checkpoint was written; the loop was held ``blocked_s`` of it."""
+        blocked = float(event.data.get("blocked_s", 0.0))
+        self._totals.checkpoint += blocked
+        self._blocked += blocked
+        if self._journal is not None:
+            self._journal.saved(int(event.data["step"]), goodput.now())
 
     def flush(self, timeout_s: float | None = None) -> bool:
         sys.stdout.flush()
@@ -111,11 +137,65 @@ class Progress(Callback):
             self._total_steps = None
         self._totals = Totals()
         self._log_mark = self._line_mark = self._totals.mark()
+        self._first_batch, self._blocked = None, 0.0
+        if trainer.is_global_zero:
+            self._open_journal(trainer)
+
+    def _open_journal(self, trainer) -> None:
+        """Rank 0: account for what earlier attempts lost, and start this attempt's journal."""
+        folder = os.path.join(trainer.default_root_dir, "goodput")
+        previous = goodput.attempts(folder)
+        ledger = self._carried or goodput.Ledger(attempts=0)
+        saved_by, saved_at = self._carried_from
+        resumed = trainer.global_step if self._carried is not None else 0
+        lost = goodput.losses(previous, resumed, saved_by, saved_at)
+        seconds = dict(ledger.seconds)
+        seconds["lost"] += sum(item["lost_s"] for item in lost)
+        self._ledger = goodput.Ledger(seconds, ledger.steps_redone + sum(item["steps_redone"] for item in lost),
+                                      ledger.attempts + sum(item["attempt"] != saved_by for item in lost) + 1,
+                                      ledger.restarts + lost)
+        attempt = max([info["attempt"] for info in previous], default=0) + 1
+        try:
+            self._journal = goodput.Journal(folder, attempt, self._started, resumed if self._carried else None,
+                                            self._total_steps)
+        except OSError as exc:  # a read-only run directory: no ledger across requeues, training goes on
+            log.warning("lit-dist: cannot write the goodput journal in %s (%s)", folder, exc)
+            self._journal = None
+        if lost:
+            self._print(f"restart {len(lost)}: {self._ledger.steps_redone} steps redone so far, "
+                        f"{goodput.hms(seconds['lost'])} lost to restarts")
+
+    def ledger(self) -> goodput.Ledger:
+        """Every attempt so far, this one up to now."""
+        totals = self._totals
+        wall = time.time() - self._started
+        if self._first_batch is None:
+            return self._ledger.plus({"startup": wall})
+        startup = wall - (time.perf_counter() - self._first_batch)
+        mine = {"startup": startup, "train": totals.training, "data_wait": totals.waiting,
+                "checkpoint": totals.checkpoint, "validation": totals.paused}
+        mine["other"] = max(wall - sum(mine.values()), 0.0)
+        return self._ledger.plus(mine)
+
+    def state_dict(self) -> dict:
+        ledger = self.ledger()
+        attempt = self._journal.attempt if self._journal is not None else None
+        return {"goodput": ledger.to_dict(), "attempt": attempt, "saved_at": goodput.now()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "goodput" in state_dict:
+            self._carried = goodput.Ledger.from_dict(state_dict["goodput"])
+            self._carried_from = (state_dict.get("attempt"), state_dict.get("saved_at"))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = time.perf_counter()
         if self._batch_ended is not None:
-            self._totals.waiting += now - self._batch_ended
+            self._totals.waiting += max(now - self._batch_ended - self._blocked, 0.0)
+        elif self._first_batch is None:
+            self._first_batch = now
+            if self._journal is not None:
+                self._journal.first_batch(trainer.global_step, goodput.now())
+        self._blocked = 0.0  # a save after validation fell in no measured interval
         self._batch_started = now
         shape = self._shape = _input_shape(batch)
         if shape is not None and shape[1:] not in self.flops_per_sample and not self._meter.running:
@@ -137,6 +217,8 @@ class Progress(Callback):
             self._measuring = None
         now = self._batch_ended = time.perf_counter()
         totals, shape = self._totals, self._shape
+        totals.training += max(now - self._batch_started - self._blocked, 0.0)
+        self._blocked = 0.0
         if shape is not None:
             totals.samples += shape[0]
             totals.flops += self.flops_per_sample.get(shape[1:], 0.0) * shape[0]
@@ -147,12 +229,14 @@ class Progress(Callback):
         if step != self._step:  # an optimizer step ended (not an accumulated micro-batch)
             self._step = step
             totals.steps += 1
+            if self._journal is not None:
+                self._journal.step(step, goodput.now())
             if step % trainer.log_every_n_steps == 0:
                 self.last = totals.figures(self._log_mark, trainer.world_size, self._peak)
                 self._log_mark = totals.mark()
                 if trainer.is_global_zero and trainer.logger is not None:
-                    trainer.logger.log_metrics({f"throughput/{k}": v for k, v in self.last.items()
-                                                if k != "seconds_per_step"}, step=step)
+                    logged = {f"throughput/{k}": v for k, v in self.last.items() if k != "seconds_per_step"}
+                    trainer.logger.log_metrics(logged | _goodput_metrics(self.ledger()), step=step)
         if self._lines and now - self._line_mark[0] >= self.log_every_s:
             self._print_line(trainer)
 
@@ -168,6 +252,27 @@ class Progress(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if self._lines and self._totals.steps > self._line_mark[1].steps:
             self._print_line(trainer)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._end(trainer, "finished")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        from lit_dist.errors import ExitCode, Preempted
+
+        how = "preempted" if isinstance(exception, Preempted) else \
+            f"failed (exit {int(getattr(exception, 'exit_code', ExitCode.FAILURE))}, {type(exception).__name__})"
+        self._end(trainer, how)
+
+    def _end(self, trainer, how: str) -> None:
+        """Rank 0: close the journal, print the goodput, log it."""
+        if self._journal is None:
+            return
+        journal, self._journal = self._journal, None
+        journal.ended(how, trainer.global_step, goodput.now())
+        ledger = self.ledger()
+        self._print(ledger.summary())
+        if trainer.logger is not None:
+            trainer.logger.log_metrics(_goodput_metrics(ledger), step=trainer.global_step)
 
     def _print_line(self, trainer) -> None:
         figures = self._totals.figures(self._line_mark, trainer.world_size, self._peak)
@@ -191,8 +296,13 @@ class Progress(Callback):
             head.append(f"MFU {figures['mfu']:.0%}")
         head.append(f"data wait {figures['data_wait']:.0%}")
         if total and step < total:
-            head.append(f"ETA {_duration((total - step) * figures['seconds_per_step'])}")
+            head.append(f"ETA {goodput.hms((total - step) * figures['seconds_per_step'])}")
         return " | ".join(head)
+
+
+def _goodput_metrics(ledger: goodput.Ledger) -> dict[str, float]:
+    return {"goodput/fraction": ledger.goodput, "goodput/steps_redone": float(ledger.steps_redone),
+            **{f"goodput/{k}_s": v for k, v in ledger.seconds.items()}}
 
 
 def _input_shape(batch) -> tuple | None:
@@ -203,8 +313,3 @@ def _input_shape(batch) -> tuple | None:
         if shape is not None and len(shape) == 4:
             return tuple(int(d) for d in shape)
     return None
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -83,10 +83,12 @@ class Saver:
             if trainer.is_global_zero:
                 state = self._snapshot.take(checkpoint)
 
+                blocked = time.monotonic() - started  # the loop waits only for the copy
+
                 def write() -> None:
                     store.begin(name)
                     self.io.save_checkpoint(state, target)
-                    self._finish(name, {STATE: self.io.written.pop(target)}, info, started)
+                    self._finish(name, {STATE: self.io.written.pop(target)}, info, started, blocked)
 
                 self._pending = self._writer.submit(write)
             return store.url_of(name)
@@ -131,8 +133,10 @@ class Saver:
             known.update(part)
         return known
 
-    def _finish(self, name: str, files: dict[str, FileEntry], info: dict, started: float) -> None:
-        """Rank 0, once every rank wrote: marker, rotation, the checkpoint.saved event."""
+    def _finish(self, name: str, files: dict[str, FileEntry], info: dict, started: float,
+                blocked: float | None = None) -> None:
+        """Rank 0, once every rank wrote: marker, rotation, the checkpoint.saved event (``blocked``: seconds the
+        training loop waited, when not all of it)."""
         store, rotation = self.store, self.rotation
         manifest = store.finish(name, files, info)
         self.last_path = store.url_of(name)
@@ -144,7 +148,8 @@ class Saver:
                  f"; removed {', '.join(deleted)}" if deleted else "")
         if self.published is not None:
             self.published({"step": manifest["step"], "epoch": manifest["epoch"], "path": self.last_path, "bytes": size,
-                            "seconds": round(seconds, 3), "reason": manifest["reason"]})
+                            "seconds": round(seconds, 3), "reason": manifest["reason"],
+                            "blocked_s": round(seconds if blocked is None else blocked, 3)})
 
     def wait_for_save(self, trainer) -> None:
         """Wait for the save in flight; every rank learns whether it failed (a collective when saving asynchronously)."""

@@ -37,6 +37,8 @@ COMMANDS = {
                     "buckets, problems (no GPU)", run_config=True),
     "index": Command("lit_dist.commands.index:index", "index a folder of images into a parquet metadata table"),
     "export": Command("lit_dist.commands.export:export", "write any checkpoint's network as a plain state_dict (model.pt)"),
+    "report": Command("lit_dist.commands.report:report", "summarise a run directory, finished or running: state, ETA, "
+                      "metrics, throughput, goodput, restarts, checkpoints (--plot report.png)"),
     "cache": Command("lit_dist.commands.cache:cache", "build the run's cache of pixels / encoder outputs on every rank "
                      "(--check: report on it)", run_config=True),
 }

@@ -127,6 +127,19 @@ class SignalRankAtStep(Callback):
             os.kill(os.getpid(), signal.SIGUSR1)
 
 
+class KillAtStep(Callback):
+    """SIGKILLs this process (no handler, no save: a node failure) once ``step`` optimizer steps are done."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import signal
+
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
                "broadcast_object_list", "barrier", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
                "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "monitored_barrier")

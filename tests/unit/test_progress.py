@@ -1,6 +1,7 @@
 """Throughput that means something: FLOPs per sample against a hand count, data wait of a slow and a fast
 loader, MFU from a configured peak, the peak table."""
 
+import tempfile
 import time
 
 import pytest
@@ -33,7 +34,7 @@ def fit(dataset, progress, steps=16, batch_size=4, log_every=4):
     model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
     trainer = Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=False, callbacks=[RunControl(), progress], num_sanity_val_steps=0,
-                      limit_val_batches=0, log_every_n_steps=log_every)
+                      limit_val_batches=0, log_every_n_steps=log_every, default_root_dir=tempfile.mkdtemp())
     trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=0))
     return progress
 

@@ -32,7 +32,7 @@ def test_auto_means_fork_or_forkserver_by_this_python_and_explicit_choices_stay(
 
 def _batches(dm: BucketDataModule, split: str) -> list[dict]:
     loader = dm.val_dataloader() if split == "val" else dm.train_dataloader()
-    return [batch for _, batch in zip(range(3), loader)]
+    return [batch for _, batch in zip(range(3), loader, strict=False)]
 
 
 def test_forkserver_workers_serve_the_batches_fork_workers_serve_from_a_single_threaded_server(demo_data):

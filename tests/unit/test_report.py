@@ -1,0 +1,51 @@
+"""`lit-dist report RUN_DIR` on real run directories: a finished run and a killed one."""
+
+import re
+
+import pytest
+from PIL import Image
+
+from lit_dist.ckpt.store import CheckpointStore
+from lit_dist.errors import ExitCode
+from tests.conftest import lit_dist, quickstart_args
+
+pytestmark = pytest.mark.unit
+
+
+def test_report_of_a_finished_run_names_its_changes_metrics_goodput_and_checkpoints_and_plots_them(tmp_path, demo_data):
+    args = quickstart_args(tmp_path, demo_data, data__num_workers=0, data__batch_size_per_device=8,
+                           trainer__max_epochs=2, trainer__log_every_n_steps=5, run__run_id="r",
+                           trainer__enable_progress_bar=False)
+    fit = lit_dist("fit", *args)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    run = tmp_path / "quickstart" / "r"
+    assert f"summary:       lit-dist report {run}" in fit.stdout
+    final = dict(re.findall(r"(val/\w+) (\d\.\d{4})", fit.stdout.split("fit finished:")[1].splitlines()[0]))
+
+    out = lit_dist("report", str(run), "--plot", str(tmp_path / "report.png"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    steps = re.search(r"state: finished at step (\d+)/(\d+) \(100%\)", text)
+    assert steps and steps[1] == steps[2], text
+    assert "trainer.max_epochs: 2   (default: null)" in text and "data.init_args.batch_size_per_device: 8" in text
+    assert "trainer.logger" not in text and "run.run_id" not in text  # lit-dist's own fill-ins are no news
+    assert "data.init_args.mean" not in text  # equal to its default (a tuple read back as a list)
+    for name, value in final.items():  # the last validation, as fit printed it
+        # (Lightning logs a validation at the step before global_step's)
+        assert re.search(rf"{name}: last {float(value):.4g} \(step {int(steps[1]) - 1}\), best ", text), (name, text)
+    assert re.search(r"goodput \d+\.\d% of \d:\d\d:\d\d: train ", text)
+    complete = CheckpointStore(str(run / "checkpoints")).complete()
+    assert f"checkpoints: {len(complete)} complete, newest {complete[0]} " in text
+    with Image.open(tmp_path / "report.png") as image:
+        assert image.format == "PNG" and image.size == (1100, 700)
+
+
+def test_report_of_a_killed_run_says_it_stopped_without_a_word_and_a_wrong_folder_is_a_config_error(tmp_path,
+                                                                                                      demo_data):
+    args = quickstart_args(tmp_path, demo_data, data__num_workers=0, data__batch_size_per_device=8,
+                           trainer__max_steps=30, run__run_id="r", trainer__enable_progress_bar=False)
+    lit_dist("fit", *args, "--trainer.callbacks+=tests.helpers.recorder.KillAtStep", "--trainer.callbacks.step", "8")
+    out = lit_dist("report", str(tmp_path / "quickstart" / "r"))
+    assert "state: stopped at step 8/30 (27%) without a word (killed, or its node was lost)" in out.stdout, out.stdout
+    wrong = lit_dist("report", str(tmp_path / "quickstart"))
+    assert wrong.returncode == ExitCode.CONFIG_ERROR and "not a lit-dist run directory" in wrong.stderr
