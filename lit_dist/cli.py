@@ -202,11 +202,36 @@ def _dispatch(argv: list[str]) -> int | None:
 
         CLI(function, args=argv[1:], prog=prog, exit_on_error=False)
         return int(ExitCode.OK)
-    # The command's own flags: its parameters after the run config, each a bool given as --name.
-    flags = {f"--{name}": name for name in list(inspect.signature(function).parameters)[1:]}
-    rest = [a for a in argv[1:] if a not in flags]
+    # The command's own flags, its parameters after the run config: --name for a bool, --name VALUE for others.
+    own, rest = _own_flags(function, argv[1:])
     cli = RunConfigCLI(args=rest, run=False, parser_kwargs={"prog": prog, "description": _describe(function)})
-    return function(cli, **{flags[a]: True for a in argv[1:] if a in flags})
+    cli.args = rest  # the run config's own arguments, for a command that starts fits of it
+    return function(cli, **own)
+
+
+def _own_flags(function, argv: list[str]) -> tuple[dict, list[str]]:
+    """(the command's own arguments by name, the rest of argv: the run config's)."""
+    parameters = {f"--{p.name}": p for p in list(inspect.signature(function).parameters.values())[1:]}
+    own, rest, i = {}, [], 0
+    while i < len(argv):
+        name, _, inline = argv[i].partition("=")
+        parameter = parameters.get(name)
+        if parameter is None:
+            rest.append(argv[i])
+        elif parameter.annotation is bool or isinstance(parameter.default, bool):
+            own[parameter.name] = True
+        else:
+            if not inline and i + 1 >= len(argv):
+                raise ConfigError(f"{name} needs a value")
+            value = inline or argv[i + 1]
+            i += 0 if inline else 1
+            kind = type(parameter.default) if parameter.default not in (None, inspect.Parameter.empty) else str
+            try:
+                own[parameter.name] = kind(value)
+            except ValueError:
+                raise ConfigError(f"{name} {value!r}: must be {kind.__name__}") from None
+        i += 1
+    return own, rest
 
 
 def _describe(function) -> str:
@@ -214,7 +239,10 @@ def _describe(function) -> str:
     from docstring_parser import parse  # jsonargparse[signatures] reads docstrings with it too
 
     doc = parse(inspect.getdoc(function) or "")
-    flags = [f"--{p.arg_name}: {p.description}" for p in doc.params[1:]]
+    defaults = {p.name: p.default for p in inspect.signature(function).parameters.values()}
+    flags = [f"--{p.arg_name}" + ("" if isinstance(defaults.get(p.arg_name), bool) else " VALUE")
+             + f": {p.description}" + ("" if defaults.get(p.arg_name) in (None, False) else f" (default {defaults[p.arg_name]})")
+             for p in doc.params[1:]]
     return "\n".join(filter(None, [doc.short_description, doc.long_description, *flags]))
 
 

@@ -4,7 +4,7 @@ lit-dist's own commands live one per module in this folder. A command whose argu
 function's typed signature and docstring (``index``, ``export``) is run by jsonargparse's ``CLI``.
 A command that takes the run config like ``fit`` (``plan``, ``cache``) gets it parsed, with the
 model and data module built and no Trainer (``cli.instantiate_trainer()`` builds one), plus its
-own flags: the function's further parameters, each a bool given as ``--name``.
+own flags: the function's further parameters, ``--name`` for a bool, ``--name VALUE`` for others.
 """
 
 import importlib
@@ -39,6 +39,8 @@ COMMANDS = {
     "export": Command("lit_dist.commands.export:export", "write any checkpoint's network as a plain state_dict (model.pt)"),
     "report": Command("lit_dist.commands.report:report", "summarise a run directory, finished or running: state, ETA, "
                       "metrics, throughput, goodput, restarts, checkpoints (--plot report.png)"),
+    "scale": Command("lit_dist.commands.scale:scale", "timed fits at several device counts: samples/s, speedup and "
+                     "efficiency per size, and a plot (--devices 1,2,4)", run_config=True),
     "cache": Command("lit_dist.commands.cache:cache", "build the run's cache of pixels / encoder outputs on every rank "
                      "(--check: report on it)", run_config=True),
 }

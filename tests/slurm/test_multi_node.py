@@ -43,3 +43,16 @@ def test_torchrun_across_two_nodes_without_slurm(slurm_nodes, tmp_path, demo_dat
     ranks = digests(tmp_path / "quickstart" / "torchrun-job7")
     assert {r["host"] for r in ranks} == {"node1", "node2"}
     assert ranks[0]["sha256"] == ranks[1]["sha256"]
+
+
+def test_scale_measures_one_and_two_nodes_with_one_srun_step_each(slurm_nodes, tmp_path, demo_data):
+    env, _ = slurm_nodes
+    out = subprocess.run([env["LIT_DIST"], "scale", *quickstart_args(tmp_path, demo_data), "--data.batch_size_per_device",
+                          "8", "--data.num_workers", "0", "--nodes", "1,2", "--steps", "24"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    sizes = json.loads((tmp_path / "scale" / "scaling.json").read_text())
+    assert [(s["nodes"], s["devices"]) for s in sizes] == [(1, 1), (2, 2)]
+    assert all(s["samples_per_s"] > 0 for s in sizes) and sizes[0]["efficiency"] == 1.0
+    assert "num_nodes: 2" in (tmp_path / "scale" / "nodes-2" / "config.yaml").read_text()
+    assert "lit-dist scale: 2 devices (2 nodes x 1)" in out.stdout
