@@ -65,6 +65,7 @@ class LitDistCLI(LightningCLI):
         from lit_dist.callbacks.export import ExportModel
         from lit_dist.callbacks.preemption import Preemption
         from lit_dist.callbacks.progress import Progress
+        from lit_dist.callbacks.watchdog import HangWatchdog
         from lit_dist.control import RunControl
 
         parser.add_class_arguments(RunConfig, "run")
@@ -72,6 +73,7 @@ class LitDistCLI(LightningCLI):
         parser.add_lightning_class_args(Progress, "progress")
         parser.add_lightning_class_args(Checkpointing, "checkpoint")
         parser.add_lightning_class_args(Preemption, "preemption")
+        parser.add_lightning_class_args(HangWatchdog, "watchdog")
         parser.add_lightning_class_args(ExportModel, "export")
         if self.subclass_mode_model:
             parser.set_defaults({"model": {"class_path": MODEL}, "data": {"class_path": DATA}})

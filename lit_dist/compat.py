@@ -16,6 +16,8 @@ function                                Lightning internal
 ``rank_zero_writes``                    ``ModelParallelStrategy._save_distributed_checkpoint``,
                                         ``FSDPStrategy._state_dict_type``
 ``set_data_parallel``                   ``ModelParallelStrategy._data_parallel_size`` and ``_tensor_parallel_size``
+``collective_timeout_s``                ``strategy._timeout`` (DDP, FSDP, DeepSpeed, ModelParallel)
+``collectives_issued``                  ``ProcessGroup._get_sequence_number_for_group`` (torch, not Lightning)
 ======================================  ==========================================================
 """
 
@@ -134,3 +136,29 @@ def set_data_parallel(strategy, size: int) -> None:
         strategy._tensor_parallel_size  # noqa: B018
     strategy._data_parallel_size = size
     strategy._tensor_parallel_size = 1
+
+
+def collective_timeout_s(strategy) -> float:
+    """Seconds a collective may wait before the process group gives up (its ``timeout``; 1800 by default)."""
+    import datetime
+
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    if not isinstance(strategy, ParallelStrategy):  # one device: no process group of its own
+        return 1800.0
+    with _internal("strategy._timeout"):
+        timeout = strategy._timeout
+        return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
+
+
+def collectives_issued() -> int:
+    """How many collectives this rank has issued on the default process group (-1 without one): a rank that
+    never joined the collective the others wait in has a smaller count."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return -1
+    try:  # torch's private API, not Lightning's: unknown (-1) if it changes; the watchdog then goes by step
+        return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return -1

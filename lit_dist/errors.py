@@ -1,7 +1,7 @@
 """Exit codes and the errors that carry them.
 
-Every code is documented in README.md ("Exit codes"). The GPU-fault and
-preemption codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
+Every code is documented in README.md ("Exit codes"). The GPU-fault,
+preemption and hang codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
 255, so an orchestrator can tell them from everything else.
 """
 
@@ -16,6 +16,7 @@ class ExitCode(IntEnum):
     DATA_ERROR = 3  # metadata or images are missing or unusable
     GPU_FAULT = 10  # the GPU of some rank is faulty: drain the node, do not retry there
     PREEMPTED = 11  # saved (and requeued under Slurm) after a preemption signal: not a failure
+    HUNG = 12  # a rank made no progress for the watchdog's timeout: stacks dumped, job requeued under Slurm
 
 
 class LitDistError(Exception):

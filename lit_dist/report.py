@@ -22,6 +22,7 @@ GROUPS = {
     "progress": "lit_dist.callbacks.progress:Progress",
     "checkpoint": "lit_dist.callbacks.checkpoint:Checkpointing",
     "preemption": "lit_dist.callbacks.preemption:Preemption",
+    "watchdog": "lit_dist.callbacks.watchdog:HangWatchdog",
     "export": "lit_dist.callbacks.export:ExportModel",
 }
 # Set by lit-dist for every run, not by the user: no news in a report (a key and everything under it).

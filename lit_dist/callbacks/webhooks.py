@@ -14,14 +14,14 @@ The notifier is a subscriber of the run control's event publisher (``lit_dist.co
 sends what is published there (schema 1, see README.md): ``run.started``, ``run.progress``,
 ``validation.finished``, ``run.finished``, ``run.failed`` and ``run.preempted`` from rank 0,
 ``checkpoint.saved`` from rank 0 once the checkpoint is complete, ``gpu.warning`` and ``gpu.fault``
-from the rank whose GPU it is.
+from the rank whose GPU it is, ``run.hung`` from the first rank whose hang watchdog noticed.
 
 Delivery runs on a background thread with a bounded queue: a post has a total deadline,
 retries with exponential backoff and jitter, honours ``429 Retry-After``, never follows a
 redirect (headers such as the auth token would go along), and verifies TLS. A full queue
 drops the oldest progress event first and counts it. At the end of the run (or on an
 error) the queue is flushed within ``flush_timeout_s``; the final and fault events (``run.finished``,
-``run.failed``, ``run.preempted``, ``gpu.fault``) are sent at once on their own thread, whatever
+``run.failed``, ``run.preempted``, ``run.hung``, ``gpu.fault``) are sent at once on their own thread, whatever
 is still queued or stuck before them, so they get their attempt before the flush ends.
 """
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 SCHEMA = 1
 SEVERITIES = ("info", "warning", "error", "critical")
 # Sent first when the run ends, past whatever is queued before them (see flush).
-FINAL = ("run.finished", "run.failed", "run.preempted", "gpu.fault")
+FINAL = ("run.finished", "run.failed", "run.preempted", "run.hung", "gpu.fault")
 DISCORD_COLOURS = {"info": 0x3498DB, "warning": 0xF1C40F, "error": 0xE74C3C, "critical": 0x8E44AD}
 
 

@@ -127,6 +127,19 @@ class SignalRankAtStep(Callback):
             os.kill(os.getpid(), signal.SIGUSR1)
 
 
+class BlockRankAtStep(Callback):
+    """Blocks rank ``rank`` for ``seconds`` at the start of the step after ``step`` (a stuck loader or device)."""
+
+    def __init__(self, step: int, rank: int = 1, seconds: float = 600.0):
+        self.step, self.rank, self.seconds = step, rank, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import time
+
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            time.sleep(self.seconds)  # the frame the hang dump must show
+
+
 class KillAtStep(Callback):
     """SIGKILLs this process (no handler, no save: a node failure) once ``step`` optimizer steps are done."""
 

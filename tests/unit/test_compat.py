@@ -95,6 +95,30 @@ def test_data_parallel_sizes_of_a_model_parallel_strategy():
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (8, 1)
 
 
+def test_the_collective_timeout_of_a_strategy():
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    assert compat.collective_timeout_s(DDPStrategy()) == 1800.0  # Lightning's default
+    assert compat.collective_timeout_s(DDPStrategy(timeout=timedelta(minutes=5))) == 300.0
+    assert compat.collective_timeout_s(SingleDeviceStrategy("cpu")) == 1800.0
+
+
+def test_collectives_issued_counts_this_ranks_collectives(tmp_path):
+    import torch.distributed as dist
+
+    assert compat.collectives_issued() == -1  # no process group
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        before = compat.collectives_issued()
+        dist.all_reduce(torch.ones(2))
+        dist.barrier()
+        assert compat.collectives_issued() == before + 2
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_changed_internal_fails_with_one_clear_message():
     class Renamed:  # a Trainer whose loop internals moved
         fit_loop = object()

@@ -1,0 +1,289 @@
+"""``HangWatchdog``: a rank that stops making progress is caught in minutes, named, and the job ends with exit 12.
+
+Without it, a rank stuck in a step (a dead GPU, a deadlocked loader, a collective that one rank never
+joins) holds every other rank inside a collective until the collective timeout (30 minutes in
+Lightning), and the job then dies without saying which rank was stuck.
+
+Every rank runs one thread that
+- notes the training loop's progress, ``(step, phase)`` with phases waiting for the batch, forward,
+  backward, optimizer step; the training thread only writes two integers (no I/O, no collective, no
+  sync); and the number of collectives this rank has issued (the process group's sequence number);
+- every ``heartbeat_s`` writes that progress to the job's rendezvous store (the TCPStore the process
+  group was made with: a key per rank, from this thread, never from the training thread) and checks
+  whether another rank declared a hang;
+- when no optimizer step finished for ``timeout_s`` (default: ``step_factor`` times the slowest step
+  seen so far, at least ``min_timeout_s``, and always at most half the collective timeout), or when
+  another rank declared a hang: writes all its threads' Python stacks to ``{run_dir}/hang/rank-N.txt``;
+  the first rank to notice reads every rank's last progress from the store (not through a collective,
+  which would hang too) and names the ranks behind: those that issued fewer collectives than the others
+  (they never joined the one the others wait in), else those least far in the step; it publishes
+  ``run.hung`` and (under Slurm, ``requeue``)
+  requeues the job; then every process exits with code 12, so the scheduler can restart the job at once.
+
+It arms after the first optimizer step: start-up and the first step (compilation, warm-up) are under
+the collective timeout as before. From the start of a validation or a checkpoint save until the next
+training batch starts, the limit is half the collective timeout (a large model's save takes minutes). Configured by the CLI's ``watchdog`` group::
+
+    watchdog:
+      timeout_s: 600          # fixed; default: derived from the step times
+      heartbeat_s: 5
+"""
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+from lightning.pytorch import Callback
+
+from lit_dist import compat
+from lit_dist.control import Event, RunControl
+from lit_dist.errors import ConfigError, ExitCode
+
+log = logging.getLogger(__name__)
+
+# Where a rank is in the step after its last finished one, in order.
+PHASES = ("waiting for the batch", "forward", "backward", "optimizer step")
+_KEY = "lit-dist/watchdog"
+
+
+class HangWatchdog(Callback):
+    """Catches a rank that stops making progress well before the collective timeout, names it, exits 12."""
+
+    def __init__(self, enabled: bool = True, timeout_s: float | None = None, min_timeout_s: float = 300.0,
+                 step_factor: float = 20.0, heartbeat_s: float = 5.0, requeue: bool = True):
+        """Hang watchdog settings.
+
+        Args:
+            enabled: Run the watchdog thread on every rank.
+            timeout_s: Seconds without a finished optimizer step that mean a hang; default: step_factor x slowest step, at least min_timeout_s.
+            min_timeout_s: Lower bound of the derived timeout (a slow validation or checkpoint is not a hang).
+            step_factor: The derived timeout is this many times the slowest optimizer step seen so far.
+            heartbeat_s: Seconds between writes of this rank's progress to the rendezvous store (and checks for another rank's hang).
+            requeue: Under Slurm, requeue the job when a hang ends it (scontrol requeue), to restart from its last checkpoint.
+        """
+        problems = []
+        if timeout_s is not None and timeout_s <= 0:
+            problems.append(f"watchdog.timeout_s = {timeout_s}: must be positive (seconds), or null to derive it")
+        if min_timeout_s <= 0:
+            problems.append(f"watchdog.min_timeout_s = {min_timeout_s}: must be positive (seconds)")
+        if step_factor < 2:
+            problems.append(f"watchdog.step_factor = {step_factor}: below 2, an ordinary slow step would count as a hang")
+        if heartbeat_s <= 0:
+            problems.append(f"watchdog.heartbeat_s = {heartbeat_s}: must be positive (seconds)")
+        elif timeout_s is not None and heartbeat_s * 2 > timeout_s:
+            problems.append(f"watchdog.heartbeat_s = {heartbeat_s} with timeout_s = {timeout_s}: the heartbeat must be at "
+                            "most half the timeout, or a rank's progress reaches the others too late to name it")
+        ConfigError.collect(problems)
+        self.enabled = enabled
+        self.timeout_s = timeout_s
+        self.min_timeout_s = min_timeout_s
+        self.step_factor = step_factor
+        self.heartbeat_s = heartbeat_s
+        self.requeue = requeue
+        self.exit = os._exit  # how the process ends after a hang (a test may replace it)
+        self._control: RunControl | None = None
+        self._step = 0
+        self._phase = 0
+        self._progress_at = time.monotonic()  # when the last optimizer step finished
+        self._step_started = time.monotonic()
+        self._slowest = 0.0  # seconds of the slowest optimizer step so far
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._hanging = False  # the watchdog thread is ending the process
+        self._relaxed = False  # in validation or a checkpoint save: the limit is half the collective timeout
+        self._limit: float | None = None  # half the collective timeout
+
+    def connect(self, control: RunControl) -> None:
+        self._control = control
+
+    # -- the training thread: two integers and a clock -----------------------------------------
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._phase = 1
+        if self._relaxed:  # a save or validation came before this batch: the step's clock starts now
+            self._relaxed, self._progress_at = False, time.monotonic()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._phase = 2
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._phase = 3
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self._step:  # an accumulated micro-batch: no optimizer step yet
+            return
+        now = time.monotonic()
+        if self._armed:
+            self._slowest = max(self._slowest, now - self._progress_at)
+        self._step, self._phase, self._progress_at = step, 0, now
+        self._armed = True
+
+    # Validation and checkpoint saves have no optimizer step and may take long (a large model's save
+    # takes minutes): until the next training batch starts, the limit is half the collective timeout.
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._relaxed = True
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._relaxed = True
+
+    # -- start and stop ----------------------------------------------------------------------------
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not self.enabled:
+            return
+        collective = compat.collective_timeout_s(trainer.strategy)
+        self._limit = collective / 2
+        if self.timeout_s is not None and self.timeout_s >= collective:
+            raise ConfigError(f"watchdog.timeout_s = {self.timeout_s}: at or above the collective timeout "
+                              f"({collective:.0f} s), the collective would time out first; use at most {self._limit:.0f}")
+        self._step, self._phase, self._armed, self._relaxed = trainer.global_step, 0, False, False
+        self._progress_at = time.monotonic()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, args=(trainer,), name="lit-dist-watchdog", daemon=True)
+        self._thread.start()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._halt()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # A collective that failed because a hung job's other ranks are exiting: end as they do, with 12.
+        if self._hanging:
+            self._thread.join()  # it ends the process
+        stuck = self._armed and time.monotonic() - self._progress_at > self.heartbeat_s  # not a prompt error
+        if self._thread is not None and stuck and self._declared(trainer):
+            self._stop.set()
+            self._hang(trainer, None, noticed=False)
+        self._halt()
+
+    def _declared(self, trainer) -> bool:
+        store = _store() if trainer.world_size > 1 else None
+        try:
+            return store is not None and store.check([f"{_KEY}/hung"])
+        except Exception:  # noqa: BLE001 - the store went with rank 0
+            return False
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.heartbeat_s + 5)
+            self._thread = None
+
+    # -- the watchdog thread ----------------------------------------------------------------------
+
+    def timeout(self) -> float:
+        """Seconds without a finished step that count as a hang, now."""
+        if self._relaxed and self._limit:
+            return max(self._limit, self.timeout_s or 0.0)
+        if self.timeout_s is not None:
+            return self.timeout_s
+        derived = max(self.min_timeout_s, self.step_factor * self._slowest)
+        return min(derived, self._limit) if self._limit else derived
+
+    def _watch(self, trainer) -> None:
+        rank, world = trainer.global_rank, trainer.world_size
+        store = _store() if world > 1 else None
+        poll = min(1.0, self.heartbeat_s)
+        next_beat = 0.0
+        while not self._stop.wait(poll):
+            now = time.monotonic()
+            declared = False
+            if store is not None and now >= next_beat:
+                next_beat = now + self.heartbeat_s
+                try:
+                    store.set(f"{_KEY}/progress/{rank}", f"{compat.collectives_issued()} {self._step} {self._phase}")
+                    declared = store.check([f"{_KEY}/hung"])
+                except Exception as exc:  # noqa: BLE001 - the store is gone: the job is ending anyway
+                    log.debug("lit-dist watchdog: store unreachable (%s)", exc)
+            stalled = self._armed and now - self._progress_at > self.timeout()
+            if stalled or declared:
+                self._hang(trainer, store, noticed=stalled and not declared)
+                return
+
+    def _hang(self, trainer, store, noticed: bool) -> None:
+        self._hanging = True
+        rank, world = trainer.global_rank, trainer.world_size
+        waited = time.monotonic() - self._progress_at
+        first = noticed
+        if store is not None and noticed:
+            try:  # the first rank to declare it names the ranks behind and tells the world
+                first = store.add(f"{_KEY}/hung", 1) == 1
+            except Exception:  # noqa: BLE001
+                first = True
+        path = _dump_stacks(trainer.default_root_dir, rank, self._step, self._phase, waited)
+        if first:
+            behind, progress = _behind(store, world, rank, self._step, self._phase)
+            names = ", ".join(str(r) for r in behind) or "none (every rank at the same point)"
+            where = "; ".join(f"rank {r}: {c} collectives, step {s + 1} {PHASES[p]}"
+                              for r, (c, s, p) in sorted(progress.items()))
+            outcome = "not requeued"
+            if self.requeue:
+                from lit_dist.slurm import job_id, requeue
+
+                outcome = requeue() if job_id() else "not a Slurm job"
+            message = (f"no optimizer step for {waited:.0f} s (timeout {self.timeout():.0f} s); ranks behind: {names}; "
+                       f"{where}; stacks in {os.path.dirname(path)}; {outcome}")
+            print(f"lit-dist: hang: {message}", file=sys.stderr, flush=True)
+            if self._control is not None:
+                self._control.publish(Event("run.hung", "critical", f"Hang at step {self._step + 1}", message,
+                                            {"step": self._step, "behind": behind, "host": socket.gethostname(),
+                                             "progress": {str(r): list(v) for r, v in progress.items()},
+                                             "waited_s": round(waited, 1), "requeue": outcome}))
+                self._control.flush(10.0)
+        else:
+            print(f"lit-dist: hang declared by another rank: rank {rank} stacks in {path}", file=sys.stderr, flush=True)
+        if store is not None:
+            # Every rank sees the declaration on its next heartbeat and dumps its stacks: leaving before then
+            # would break the others' collectives (and the store, if this is rank 0) under them.
+            time.sleep(min((2 if first else 1) * self.heartbeat_s + 1, 30.0))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.exit(int(ExitCode.HUNG))
+
+
+def _store():
+    """The process group's rendezvous store (a TCPStore client of its own connection), or None."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: the watchdog still catches this rank's own hang
+        return None
+
+
+def _behind(store, world: int, rank: int, step: int, phase: int) -> tuple[list[int], dict[int, tuple[int, int, int]]]:
+    """(the ranks least advanced by (collectives issued, step, phase), every rank's progress)."""
+    progress = {rank: (compat.collectives_issued(), step, phase)}
+    for other in range(world):
+        if other == rank or store is None:
+            continue
+        try:
+            value = store.get(f"{_KEY}/progress/{other}").decode().split()
+            progress[other] = (int(value[0]), int(value[1]), int(value[2]))
+        except Exception:  # noqa: BLE001 - never published: it never finished its first heartbeat
+            progress[other] = (-1, -1, 0)
+    least = min(progress.values())
+    behind = [r for r, p in sorted(progress.items()) if p == least]
+    return ([] if len(behind) == len(progress) else behind), progress
+
+
+def _dump_stacks(run_dir: str, rank: int, step: int, phase: int, waited: float) -> str:
+    """Write every thread's Python stack to {run_dir}/hang/rank-N.txt; returns the path."""
+    folder = os.path.join(run_dir, "hang")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank-{rank}.txt")
+    names = {t.ident: t.name for t in threading.enumerate()}
+    lines = [f"rank {rank} on {socket.gethostname()} (pid {os.getpid()}): last finished step {step}, "
+             f"now in step {step + 1}: {PHASES[phase]}; {compat.collectives_issued()} collectives issued; "
+             f"no step for {waited:.0f} s\n"]
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"\nThread {names.get(ident, ident)} (most recent call last):\n")
+        lines += traceback.format_stack(frame)
+    with open(path, "w") as f:
+        f.writelines(lines)
+    return path
