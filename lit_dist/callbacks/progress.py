@@ -162,7 +162,7 @@ class Progress(Callback):
             log.warning("lit-dist: cannot write the goodput journal in %s (%s)", folder, exc)
             self._journal = None
         if lost:
-            self._print(f"restart {len(lost)}: {self._ledger.steps_redone} steps redone so far, "
+            self._print(f"restart {len(self._ledger.restarts)}: {self._ledger.steps_redone} steps redone so far, "
                         f"{goodput.hms(seconds['lost'])} lost to restarts")
 
     def ledger(self) -> goodput.Ledger:

@@ -78,5 +78,6 @@ def test_a_run_killed_twice_and_preempted_once_reports_exactly_the_steps_it_redi
     assert [r["ended"] for r in ledger.restarts] == ["killed (no word)", "preempted", "killed (no word)"]
     assert ledger.seconds["lost"] > 0 and ledger.seconds["startup"] > 0 and 0 < ledger.goodput < 1
     assert sorted(p.name for p in (run / "goodput").glob("*.json")) == [f"attempt-00{i}.json" for i in (1, 2, 3, 4)]
+    assert "lit-dist: restart 3: 5 steps redone so far, " in out.stdout, out.stdout[-2000:]
     line = re.search(r"lit-dist: goodput (\d+\.\d)% of \S+: .*lost \S+ \(3 restarts, 5 steps redone\)", out.stdout)
     assert line, out.stdout[-2000:]
