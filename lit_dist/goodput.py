@@ -24,7 +24,6 @@ machine losing power). An attempt killed without a word counts until its last re
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
 
 CATEGORIES = ("train", "data_wait", "checkpoint", "validation", "startup", "lost", "other")
@@ -178,8 +177,3 @@ def hms(seconds: float) -> str:
     """H:MM:SS."""
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-def now() -> float:
-    """Wall-clock time in seconds since the epoch (journals of different processes compare)."""
-    return time.time()

@@ -113,7 +113,7 @@ class Progress(Callback):
         self._totals.checkpoint += blocked
         self._blocked += blocked
         if self._journal is not None:
-            self._journal.saved(int(event.data["step"]), goodput.now())
+            self._journal.saved(int(event.data["step"]), time.time())
 
     def flush(self, timeout_s: float | None = None) -> bool:
         sys.stdout.flush()
@@ -180,7 +180,7 @@ class Progress(Callback):
     def state_dict(self) -> dict:
         ledger = self.ledger()
         attempt = self._journal.attempt if self._journal is not None else None
-        return {"goodput": ledger.to_dict(), "attempt": attempt, "saved_at": goodput.now()}
+        return {"goodput": ledger.to_dict(), "attempt": attempt, "saved_at": time.time()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "goodput" in state_dict:
@@ -194,7 +194,7 @@ class Progress(Callback):
         elif self._first_batch is None:
             self._first_batch = now
             if self._journal is not None:
-                self._journal.first_batch(trainer.global_step, goodput.now())
+                self._journal.first_batch(trainer.global_step, time.time())
         self._blocked = 0.0  # a save after validation fell in no measured interval
         self._batch_started = now
         shape = self._shape = _input_shape(batch)
@@ -230,7 +230,7 @@ class Progress(Callback):
             self._step = step
             totals.steps += 1
             if self._journal is not None:
-                self._journal.step(step, goodput.now())
+                self._journal.step(step, time.time())
             if step % trainer.log_every_n_steps == 0:
                 self.last = totals.figures(self._log_mark, trainer.world_size, self._peak)
                 self._log_mark = totals.mark()
@@ -268,7 +268,7 @@ class Progress(Callback):
         if self._journal is None:
             return
         journal, self._journal = self._journal, None
-        journal.ended(how, trainer.global_step, goodput.now())
+        journal.ended(how, trainer.global_step, time.time())
         ledger = self.ledger()
         self._print(ledger.summary())
         if trainer.logger is not None:
