@@ -29,7 +29,7 @@ import torch
 from lit_dist.cache.plan import CachePlan
 from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import new_build_id
-from lit_dist.data.workers import Start, context
+from lit_dist.data.workers import STOP_SIGNALS, Start, context, ignore_stop_signals
 from lit_dist.distributed import Comm
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.slurm import requeue
@@ -77,15 +77,13 @@ class _PreemptionFlag:
     """SIGUSR1 (Slurm's warning before preemption or the time limit) and SIGTERM stop a build between batches:
     the shards written so far are kept and published. Only a flag is set in the handler."""
 
-    SIGNALS = ("SIGUSR1", "SIGTERM")
-
     def __init__(self):
         self.received: str | None = None
         self._previous: dict = {}
 
     def __enter__(self) -> "_PreemptionFlag":
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            for name in self.SIGNALS:
+            for name in STOP_SIGNALS:
                 number = getattr(signal, name)
                 self._previous[number] = signal.signal(number, self._handler)
         return self
@@ -299,6 +297,7 @@ def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, ou
     # that follows (mode build), and a run would differ from one that found the cache complete.
     loader = torch.utils.data.DataLoader(_Decode(plan, mine), batch_size=None, num_workers=num_workers,
                                          collate_fn=_as_is, generator=torch.Generator().manual_seed(0),
+                                         worker_init_fn=ignore_stop_signals,
                                          multiprocessing_context=context(worker_start) if num_workers > 0 else None)
     total = sum(len(rows) for _, rows, _ in mine)
     with tqdm(total=total, desc=f"lit-dist cache (rank {rank})", unit="img", disable=not progress or rank != 0,

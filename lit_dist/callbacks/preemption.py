@@ -29,6 +29,7 @@ import time
 from lightning.pytorch import Callback
 
 from lit_dist.control import Agreed, Event, RunControl, Stop
+from lit_dist.data.workers import STOP_SIGNALS
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.slurm import job_id, requeue
 
@@ -43,7 +44,7 @@ class Preemption(Callback):
             signals: Signals that mean "you will be stopped soon" (default SIGUSR1 and SIGTERM).
             requeue: Under Slurm, requeue the job after saving (scontrol requeue).
         """
-        names = list(signals) if signals is not None else ["SIGUSR1", "SIGTERM"]
+        names = list(signals) if signals is not None else list(STOP_SIGNALS)
         ConfigError.collect([f"preemption.signals: {n!r} is not a signal name (e.g. SIGUSR1, SIGTERM)"
                              for n in names if not isinstance(getattr(signal, str(n), None), signal.Signals)])
         self.signals = names

@@ -30,7 +30,7 @@ from lit_dist.cache.config import CacheConfig
 from lit_dist.control import RunControl
 from lit_dist.data.health import BadSamples
 from lit_dist.data.sources import DatasetSource
-from lit_dist.data.workers import START_METHODS, Start, context, start_early
+from lit_dist.data.workers import START_METHODS, QuietWorkerInit, Start, context, start_early
 from lit_dist.errors import ConfigError, DataError
 
 
@@ -452,4 +452,7 @@ class _SeededLoader(torch.utils.data.DataLoader):
     def __iter__(self):
         epoch = getattr(self.sampler, "epoch", 0)
         self.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        if self.num_workers > 0 and not isinstance(self.worker_init_fn, QuietWorkerInit):
+            # Wrapped here, not at construction: Lightning adds its worker seeding only where none is set.
+            self.worker_init_fn = QuietWorkerInit(self.worker_init_fn)
         return super().__iter__()

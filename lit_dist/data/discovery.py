@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lit_dist.data.workers import context
+from lit_dist.data.workers import context, ignore_stop_signals
 
 if TYPE_CHECKING:
     from lit_dist.distributed import Comm
@@ -174,7 +174,8 @@ def _read_sizes(fs, paths: list[str], workers: int | None, progress_title: str |
     # stores, where the time goes into waiting for the network.
     if local:
         # Below a few thousand files, starting processes costs more than it saves (~30 us per header).
-        pool = ProcessPoolExecutor(workers, mp_context=context()) if workers > 1 and len(paths) >= 5000 else None
+        pool = (ProcessPoolExecutor(workers, mp_context=context(), initializer=ignore_stop_signals)
+                if workers > 1 and len(paths) >= 5000 else None)
         job = _header_sizes_local
         args = chunks
     else:

@@ -17,9 +17,19 @@ what workers need once per rank (torch, Lightning, lit-dist: about 3 s of CPU), 
 module is made so that it overlaps the model's construction and the process group's start. As with
 any start method but fork, a script that calls ``fit`` itself needs ``if __name__ == "__main__":``
 (``lit-dist fit`` has it).
+
+Stop signals. Slurm signals every process of a job step (``--signal=USR1@120``, and SIGTERM when it
+preempts or cancels), not only the training process. A worker, the fork server or multiprocessing's
+resource tracker that died of it would take the run down with it: a worker killed while sending a batch
+larger than a pipe's buffer leaves the training process waiting for the rest for ever (the pipe's write
+end is still open in it), so it never reaches the step boundary where it would save. Only the training
+process acts on them (an agreed save, then exit 11); the helpers ignore them and stop when it tells them
+to or when it is gone (PyTorch's workers watch their parent).
 """
 
+import contextlib
 import multiprocessing
+import signal
 import sys
 from typing import Literal
 
@@ -29,6 +39,10 @@ START_METHODS = ("auto", "fork", "forkserver", "spawn")
 # Modules every worker needs, imported once by the fork server instead of once per worker: Lightning's
 # worker seeding function, and lit_dist.cli because each worker re-runs the `lit-dist` script (its
 # __main__), which would otherwise import Lightning's CLI in every worker.
+# What "stop soon" is to lit-dist by default: Slurm's warning before a time limit or preemption, and the
+# SIGTERM of a preemption, scancel or Kubernetes.
+STOP_SIGNALS = ("SIGUSR1", "SIGTERM")
+
 _PRELOAD = ["torch", "lightning.fabric.utilities.seed", "lit_dist.cli", "lit_dist.data.dataset", "lit_dist.cache.build"]
 
 
@@ -55,13 +69,55 @@ def context(start: Start = "auto") -> multiprocessing.context.BaseContext:
     if chosen == "forkserver":
         # Only takes effect before this process's server starts; later calls change nothing.
         ctx.set_forkserver_preload(_PRELOAD)
+        _start_server()
     return ctx
 
 
 def start_early(start: Start = "auto") -> None:
     """Start this process's fork server now (if workers will use one): its imports then overlap other work."""
-    if method(start) == "forkserver":
-        from multiprocessing import forkserver
+    context(start)
 
-        context(start)  # sets the preload list before the server starts
+
+def ignore_stop_signals(*_) -> None:
+    """In a helper process (loader worker, pool worker): leave the stop signals to the training process.
+    Takes and ignores a worker id, to serve as a ``worker_init_fn`` or a pool's initializer."""
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+class QuietWorkerInit:
+    """A DataLoader ``worker_init_fn``: ignore the stop signals (after PyTorch set its own SIGTERM handler in
+    the worker, which would end it), then run ``inner`` (Lightning's worker seeding, say)."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def __call__(self, worker_id: int) -> None:
+        ignore_stop_signals()
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def _start_server() -> None:
+    """Start the fork server (and multiprocessing's resource tracker with it) if it is not running, with the
+    stop signals blocked: the mask is inherited through fork and exec, so neither process, nor any worker
+    forked from the server, is stopped by them. In this process they are only deferred, never lost."""
+    from multiprocessing import forkserver, resource_tracker
+
+    # The tracker first: starting it, multiprocessing unblocks SIGTERM again (it blocks SIGINT and SIGTERM
+    # around its own spawn), which would leave the server without that block.
+    with _stop_signals_blocked():
+        resource_tracker.ensure_running()
+    with _stop_signals_blocked():
         forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked():
+    # The mask is this thread's: other threads (and so the process) still take the signals meanwhile.
+    numbers = {getattr(signal, name) for name in STOP_SIGNALS}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

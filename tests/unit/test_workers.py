@@ -68,3 +68,39 @@ def test_on_this_python_a_data_module_starts_its_fork_server_when_it_is_made(dem
             "print(f._forkserver._forkserver_pid is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
+
+
+_SIGNALLED_LOADER = """
+import os, signal, sys
+from lit_dist.data.datamodule import BucketDataModule
+
+if __name__ == "__main__":  # workers not forked from this process import it
+    received = []
+    for name in ("SIGUSR1", "SIGTERM"):  # the training process takes them, as Preemption does
+        signal.signal(getattr(signal, name), lambda number, frame: received.append(signal.Signals(number).name))
+    dm = BucketDataModule(metadata=sys.argv[1], batch_size_per_device=8, resolution=96, num_workers=2,
+                          worker_start=sys.argv[2], cache=None)
+    dm.setup("fit")
+    batches = 0
+    for batch in dm.train_dataloader():
+        batches += 1
+        if batches == 2:  # a batch here is ~0.9 MB, well over a pipe's buffer: workers are mid-send
+            os.killpg(0, signal.SIGUSR1)  # as Slurm signals every process of the job step
+            os.killpg(0, signal.SIGTERM)
+    print(batches, sorted(received))
+"""
+
+
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_stop_signals_sent_to_every_process_leave_the_loader_serving_to_the_end(demo_data, tmp_path, start):
+    import subprocess
+
+    script = tmp_path / "loader.py"
+    script.write_text(_SIGNALLED_LOADER)
+    out = subprocess.run([sys.executable, str(script), str(demo_data), start], capture_output=True, text=True,
+                         timeout=120, start_new_session=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    batches, signals = out.stdout.split(" ", 1)
+    assert int(batches) > 2 and signals.strip() == "['SIGTERM', 'SIGUSR1']", out.stdout
+    # A resource tracker that died of the signal is restarted and prints KeyError tracebacks at exit.
+    assert "Traceback" not in out.stderr and "resource_tracker" not in out.stderr, out.stderr[-3000:]
