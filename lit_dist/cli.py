@@ -65,8 +65,10 @@ class LitDistCLI(LightningCLI):
         from lit_dist.callbacks.export import ExportModel
         from lit_dist.callbacks.preemption import Preemption
         from lit_dist.callbacks.progress import Progress
+        from lit_dist.callbacks.stragglers import StragglerDetector
         from lit_dist.callbacks.watchdog import HangWatchdog
         from lit_dist.control import RunControl
+        from lit_dist.preflight import Preflight
 
         parser.add_class_arguments(RunConfig, "run")
         parser.add_lightning_class_args(RunControl, "control")
@@ -74,6 +76,8 @@ class LitDistCLI(LightningCLI):
         parser.add_lightning_class_args(Checkpointing, "checkpoint")
         parser.add_lightning_class_args(Preemption, "preemption")
         parser.add_lightning_class_args(HangWatchdog, "watchdog")
+        parser.add_lightning_class_args(StragglerDetector, "straggler")
+        parser.add_lightning_class_args(Preflight, "preflight")
         parser.add_lightning_class_args(ExportModel, "export")
         if self.subclass_mode_model:
             parser.set_defaults({"model": {"class_path": MODEL}, "data": {"class_path": DATA}})
@@ -133,7 +137,14 @@ class LitDistCLI(LightningCLI):
         elif arguments.get("ckpt_path") == "auto":
             arguments["ckpt_path"] = None
 
-    before_fit = before_validate = before_test = before_predict = _resolve_ckpt_path
+    before_validate = before_test = before_predict = _resolve_ckpt_path
+
+    def before_fit(self) -> None:
+        self._resolve_ckpt_path()
+        arguments = self.config_init[self.subcommand]
+        preflight, checkpointing = arguments.get("preflight"), arguments.get("checkpoint")
+        if preflight is not None and preflight.enabled and checkpointing is not None:
+            preflight.checkpoint_store = checkpointing.store(self.trainer)  # its write test writes where checkpoints go
 
     def after_fit(self) -> None:
         self._report("fit")

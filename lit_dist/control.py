@@ -29,6 +29,8 @@ Configured by the CLI's ``control`` group::
 """
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +46,8 @@ log = logging.getLogger(__name__)
 
 Reduce = Literal["max", "sum"]
 # Which stop wins when several are asked for at one step: the more severe first.
-STOP_PRIORITY = (ExitCode.GPU_FAULT, ExitCode.DATA_ERROR, ExitCode.FAILURE, ExitCode.PREEMPTED)
+STOP_PRIORITY = (ExitCode.GPU_FAULT, ExitCode.DATA_ERROR, ExitCode.FAILURE, ExitCode.STRAGGLER,
+                 ExitCode.PREEMPTED)
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class RunControl(Callback):
         self._inflight = None
         self._last_step = -1
         self._connected = False
+        self._where: list[dict] = []  # every rank's host and Slurm node, from the start of training
 
     def __repr__(self) -> str:
         return f"RunControl(sync_every_n_steps={self.sync_every_n_steps})"
@@ -168,6 +172,11 @@ class RunControl(Callback):
     def summarize(self, name: str, read: Callable[[], dict]) -> None:
         """Send ``read()`` under ``name`` with ``run.finished`` (rank 0), e.g. the goodput ledger."""
         self._summaries[name] = read
+
+    def where(self, rank: int) -> dict:
+        """Where ``rank`` runs, known on every rank from the start of training: ``{"host", "node", "gpu"}`` (node:
+        Slurm's name for it, SLURMD_NODENAME, else the host name; gpu: its GPU's UUID, None on CPU)."""
+        return self._where[rank] if 0 <= rank < len(self._where) else {"host": None, "node": None, "gpu": None}
 
     def subscribe(self, subscriber: Subscriber) -> None:
         """Receive every published event (``send``) and the flushes at the end of the run."""
@@ -216,11 +225,15 @@ class RunControl(Callback):
         self._names = sorted(self._facts)
         self._layout = {name: (i, self._facts[name][0]) for i, name in enumerate(self._names)}
         self._readers = [self._facts[name][1] for name in self._names]
+        mine = {"host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+                "gpu": _gpu_uuid(trainer.strategy.root_device)}
+        self._where = [mine]
         if trainer.world_size > 1:
-            # Once per fit, not per step: every rank must share the same facts.
+            # Once per fit, not per step: every rank must share the same facts; and where each rank runs.
             from lit_dist.distributed import all_gather_object
 
-            layouts = all_gather_object(trainer, self._names)
+            gathered = all_gather_object(trainer, (self._names, mine))
+            layouts, self._where = [g[0] for g in gathered], [g[1] for g in gathered]
             if any(layout != layouts[0] for layout in layouts):
                 raise ConfigError("run control: ranks share different facts ("
                                   + "; ".join(f"rank {r}: {', '.join(names) or 'none'}" for r, names in enumerate(layouts))
@@ -353,6 +366,8 @@ class Console:
     """The console's subscription: warnings and worse as one line each in the log of the rank that has them."""
 
     def send(self, event: Event) -> None:
+        if event.type == "run.failed":  # the process's own error line says it, once
+            return
         if event.severity != "info":
             log.warning("lit-dist: %s", event.message or event.title)
             return
@@ -365,3 +380,11 @@ class Console:
 def metrics(trainer, prefix: str) -> dict:
     """The trainer's logged metrics under ``prefix``, as plain numbers for an event."""
     return {k: round(float(v), 6) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
+
+
+def _gpu_uuid(device) -> str | None:
+    """The UUID NVML and nvidia-smi show for a CUDA device (GPU-...), or None."""
+    if device.type != "cuda":
+        return None
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    return uuid if not uuid or uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"

@@ -1,7 +1,7 @@
 """Exit codes and the errors that carry them.
 
 Every code is documented in README.md ("Exit codes"). The GPU-fault,
-preemption and hang codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
+preemption, hang, straggler and preflight codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
 255, so an orchestrator can tell them from everything else.
 """
 
@@ -17,6 +17,8 @@ class ExitCode(IntEnum):
     GPU_FAULT = 10  # the GPU of some rank is faulty: drain the node, do not retry there
     PREEMPTED = 11  # saved (and requeued under Slurm) after a preemption signal: not a failure
     HUNG = 12  # a rank made no progress for the watchdog's timeout: stacks dumped, job requeued under Slurm
+    STRAGGLER = 13  # saved and requeued without the node of a persistently slow rank (straggler.exclude_node)
+    PREFLIGHT = 14  # the preflight measured a rank or node below preflight.min_fraction of the median
 
 
 class LitDistError(Exception):
@@ -49,6 +51,12 @@ class Preempted(LitDistError):
     """The run was preempted: a checkpoint was saved (and under Slurm the job requeued)."""
 
     exit_code = ExitCode.PREEMPTED
+
+
+class StragglerStop(LitDistError):
+    """A persistently slow rank's node was excluded: saved, requeued without it (straggler.exclude_node)."""
+
+    exit_code = ExitCode.STRAGGLER
 
 
 class DataError(LitDistError):

@@ -23,6 +23,8 @@ GROUPS = {
     "checkpoint": "lit_dist.callbacks.checkpoint:Checkpointing",
     "preemption": "lit_dist.callbacks.preemption:Preemption",
     "watchdog": "lit_dist.callbacks.watchdog:HangWatchdog",
+    "straggler": "lit_dist.callbacks.stragglers:StragglerDetector",
+    "preflight": "lit_dist.preflight:Preflight",
     "export": "lit_dist.callbacks.export:ExportModel",
 }
 # Set by lit-dist for every run, not by the user: no news in a report (a key and everything under it).

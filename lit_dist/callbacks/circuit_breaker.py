@@ -14,7 +14,9 @@ throttling that persists for ``throttle_polls`` polls. Thermal slowdown alone is
 index, UUID, name, PCI id and readings) to the webhooks and the console; the fault is a fact
 shared with the run control (``lit_dist.control``), so at most ``control.sync_every_n_steps`` + 1
 steps later all ranks stop together at the same step and exit with code 10 (README, "Exit
-codes") so Slurm or Kubernetes can drain the node.
+codes") so Slurm or Kubernetes can drain the node. In a Slurm job (``exclude_node``, on by default
+there) rank 0 first requeues the job with the faulty GPU's node added to the job's excluded nodes,
+so that it starts again on healthy nodes and resumes from its last checkpoint.
 
 It logs (from the thread's last reading, on logging steps):
 
@@ -32,6 +34,7 @@ Without NVML or a GPU it logs one info line and does nothing.
 import importlib
 import logging
 import os
+import socket
 import threading
 from dataclasses import asdict, dataclass, field
 
@@ -41,6 +44,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_dist.control import Agreed, Event, RunControl, Stop
 from lit_dist.errors import ConfigError, ExitCode, LitDistError
+from lit_dist.slurm import check_exclusion, excluding
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +168,7 @@ class GPUCircuitBreaker(Callback):
         save_checkpoint: bool = False,
         nvml_module: str = "pynvml",
         device_index: int | None = None,
+        exclude_node: bool | None = None,
     ):
         """Configure the breaker.
 
@@ -175,12 +180,16 @@ class GPUCircuitBreaker(Callback):
             save_checkpoint: Save a checkpoint before stopping (off by default: the hardware is suspect).
             nvml_module: Module providing the pynvml API (a test double can stand in).
             device_index: NVML index of the GPU to watch; default: this rank's CUDA device.
+            exclude_node: Requeue the Slurm job without the faulty GPU's node (added to its excluded nodes); default: in a Slurm job.
         """
+        check_exclusion("GPUCircuitBreaker.exclude_node", exclude_node)
         self.poll_interval_s = poll_interval_s
         self.judge = Judge(ecc_threshold, margin_c, throttle_polls)
         self.save_checkpoint = save_checkpoint
         self.nvml_module = nvml_module
         self.device_index = device_index
+        self.exclude_node = exclude_node
+        self.requeued: str | None = None  # what rank 0's requeue did, for the error message
         self.enabled = False
         self.index: int | None = None
         self.last: Reading | None = None
@@ -263,10 +272,28 @@ class GPUCircuitBreaker(Callback):
             return
         self._stopping = True
         where = f"this rank's GPU {self.index}: {self.fault}" if self.fault else "another rank's GPU"
-        self._control.request_stop(Stop(
-            GPUFault(f"GPU fault on {where}; all ranks stopped at step {trainer.global_step}. Drain this node "
-                     "and requeue elsewhere."),
-            save="gpu-fault" if self.save_checkpoint else None))
+        faulty = [rank for rank, value in enumerate(agreed.per_rank("gpu.fault")) if value]
+        nodes = sorted({self._control.where(rank)["node"] for rank in faulty} - {None})
+        step = trainer.global_step
+
+        def announce(trainer, saved) -> None:
+            if trainer.is_global_zero and nodes and excluding(self.exclude_node):
+                from lit_dist.slurm import requeue
+
+                self.requeued = requeue(exclude=nodes)
+                log.warning("lit-dist: GPU fault on %s: %s", ", ".join(nodes), self.requeued)
+
+        def error(saved) -> GPUFault:
+            if self.requeued:
+                then = f"; {self.requeued}"
+            elif nodes and excluding(self.exclude_node):
+                then = f"; rank 0 requeues the job without node {', '.join(nodes)}"
+            else:
+                then = ". Drain the node and requeue elsewhere."
+            return GPUFault(f"GPU fault on {where} (node {', '.join(nodes) or '?'}); all ranks stopped at step "
+                            f"{step}{then}")
+
+        self._control.request_stop(Stop(error, save="gpu-fault" if self.save_checkpoint else None, announce=announce))
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         text = str(exception).lower()
@@ -289,7 +316,7 @@ class GPUCircuitBreaker(Callback):
     # -- events ---------------------------------------------------------------------------
 
     def _webhook(self, type_: str, severity: str, title: str, reason: str) -> None:
-        data = {"reason": reason}
+        data = {"reason": reason, "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}
         if self.last is not None:
             data.update({k: v for k, v in asdict(self.last).items() if v is not None and k != "extra"})
         event = Event(type_, severity, title, f"{title}: {reason}", data)

@@ -42,6 +42,7 @@ from lightning.pytorch import Callback
 from lit_dist import compat
 from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError, ExitCode
+from lit_dist.slurm import check_exclusion
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class HangWatchdog(Callback):
     """Catches a rank that stops making progress well before the collective timeout, names it, exits 12."""
 
     def __init__(self, enabled: bool = True, timeout_s: float | None = None, min_timeout_s: float = 300.0,
-                 step_factor: float = 20.0, heartbeat_s: float = 5.0, requeue: bool = True):
+                 step_factor: float = 20.0, heartbeat_s: float = 5.0, requeue: bool = True,
+                 exclude_node: bool = False):
         """Hang watchdog settings.
 
         Args:
@@ -64,6 +66,7 @@ class HangWatchdog(Callback):
             step_factor: The derived timeout is this many times the slowest optimizer step seen so far.
             heartbeat_s: Seconds between writes of this rank's progress to the rendezvous store (and checks for another rank's hang).
             requeue: Under Slurm, requeue the job when a hang ends it (scontrol requeue), to restart from its last checkpoint.
+            exclude_node: Under Slurm, when the ranks behind are all on one node, requeue the job without that node.
         """
         problems = []
         if timeout_s is not None and timeout_s <= 0:
@@ -78,12 +81,14 @@ class HangWatchdog(Callback):
             problems.append(f"watchdog.heartbeat_s = {heartbeat_s} with timeout_s = {timeout_s}: the heartbeat must be at "
                             "most half the timeout, or a rank's progress reaches the others too late to name it")
         ConfigError.collect(problems)
+        check_exclusion("watchdog.exclude_node", exclude_node)
         self.enabled = enabled
         self.timeout_s = timeout_s
         self.min_timeout_s = min_timeout_s
         self.step_factor = step_factor
         self.heartbeat_s = heartbeat_s
         self.requeue = requeue
+        self.exclude_node = exclude_node
         self._control: RunControl | None = None
         self._step = 0
         self._phase = 0
@@ -217,20 +222,25 @@ class HangWatchdog(Callback):
         path = _dump_stacks(trainer.default_root_dir, rank, self._step, self._phase, waited)
         if first:
             behind, progress = _behind(store, world, rank, self._step, self._phase)
-            names = ", ".join(str(r) for r in behind) or "none (every rank at the same point)"
+            node_of = (lambda r: self._control.where(r)["node"]) if self._control is not None else (lambda r: None)
+            names = ", ".join(f"{r} ({node_of(r)})" if node_of(r) else str(r) for r in behind) or \
+                "none (every rank at the same point)"
             where = "; ".join(f"rank {r}: {c} collectives, step {s + 1} {PHASES[p]}"
                               for r, (c, s, p) in sorted(progress.items()))
             outcome = "not requeued"
+            nodes = sorted({node_of(r) for r in behind} - {None})
             if self.requeue:
                 from lit_dist.slurm import job_id, requeue
 
-                outcome = requeue() if job_id() else "not a Slurm job"
+                exclude = nodes if self.exclude_node and len(nodes) == 1 else []  # only when one node is to blame
+                outcome = requeue(exclude=exclude) if job_id() else "not a Slurm job"
             message = (f"no optimizer step for {waited:.0f} s (timeout {self.timeout():.0f} s); ranks behind: {names}; "
                        f"{where}; stacks in {os.path.dirname(path)}; {outcome}")
             print(f"lit-dist: hang: {message}", file=sys.stderr, flush=True)
             if self._control is not None:
                 self._control.publish(Event("run.hung", "critical", f"Hang at step {self._step + 1}", message,
                                             {"step": self._step, "behind": behind, "host": socket.gethostname(),
+                                             "nodes_behind": nodes,
                                              "progress": {str(r): list(v) for r, v in progress.items()},
                                              "waited_s": round(waited, 1), "requeue": outcome}))
                 self._control.flush(10.0)

@@ -41,6 +41,8 @@ COMMANDS = {
                       "metrics, throughput, goodput, restarts, checkpoints (--plot report.png)"),
     "scale": Command("lit_dist.commands.scale:scale", "timed fits at several device counts: samples/s, speedup and "
                      "efficiency per size, and a plot (--devices 1,2,4)", run_config=True),
+    "preflight": Command("lit_dist.commands.preflight:preflight", "measure the allocation on every rank (matmul, "
+                         "all-reduce, data reads, checkpoint writes, loader) and name the laggards", run_config=True),
     "cache": Command("lit_dist.commands.cache:cache", "build the run's cache of pixels / encoder outputs on every rank "
                      "(--check: report on it)", run_config=True),
 }

@@ -378,6 +378,11 @@ class BucketDataModule(LightningDataModule):
                 compat.shift_batches_done(self.trainer, start - compat.batches_done(self.trainer))
         return self._loader("train", sampler)
 
+    def probe_loader(self, world_size: int, rank: int):
+        """A training loader like the first epoch's (workers, cache, batches) for measuring it (preflight); the
+        resume position and the loader Lightning trains from are left alone. After ``setup("fit")``."""
+        return self._loader("train", self.train_sampler(world_size, rank))
+
     def val_dataloader(self):
         return self._eval_loader("val")
 

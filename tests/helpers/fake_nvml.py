@@ -1,9 +1,11 @@
 """A test double of pynvml with the same functions, for the GPU circuit breaker.
 
 Readings come from a JSON file named by $FAKE_NVML_STATE, keyed by the LOCAL_RANK of
-the process asking (so each rank of a real multi-process run sees "its own" GPU):
+the process asking (so each rank of a real multi-process run sees "its own" GPU), or by the
+Slurm node it runs on (SLURMD_NODENAME; every GPU of that node), which comes first:
 
     {"1": {"temperature_c": 70, "ecc_after_polls": 3, "ecc": 2}}
+    {"node1": {"ecc_after_polls": 3, "ecc": 2}}
 
 ``ecc_after_polls``: after that many polls the volatile uncorrectable ECC count becomes
 ``ecc``; ``throttle``: the throttle-reason bit mask; ``fail_init``: nvmlInit raises.
@@ -34,7 +36,9 @@ def _state() -> dict:
     if _cache.get("mtime") != mtime:
         with open(path) as f:
             _cache.update(mtime=mtime, data=json.load(f))
-    return _cache["data"].get(os.environ.get("LOCAL_RANK", "0"), {})
+    data = _cache["data"]
+    node = os.environ.get("SLURMD_NODENAME")
+    return data[node] if node in data else data.get(os.environ.get("LOCAL_RANK", "0"), {})
 
 
 def nvmlInit():

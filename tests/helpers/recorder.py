@@ -243,3 +243,16 @@ class SyncWatch(Callback):
 
         torch.cuda.set_sync_debug_mode("default")
         write_rank_json(trainer, "syncs", self.syncs)
+
+
+class SleepInStep(Callback):
+    """Sleeps ``seconds`` in every training step before the backward; on rank ``rank`` ``factor`` times as long:
+    a rank made that much slower in its own work, the others equal."""
+
+    def __init__(self, seconds: float, rank: int = -1, factor: float = 1.0):
+        self.seconds, self.rank, self.factor = seconds, rank, factor
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        import time
+
+        time.sleep(self.seconds * (self.factor if trainer.global_rank == self.rank else 1.0))

@@ -39,7 +39,8 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slurm_nodes(tmp_path_factory):
-    """(clients' environment, cluster folder) of a running two-node cluster emulated with network namespaces."""
+    """(clients' environment, cluster folder) of a running three-node cluster emulated with network namespaces
+    (the multi-node tests use two; node exclusion needs a third to go to)."""
     problem = cluster.install()
     if problem:
         pytest.skip(problem)
@@ -47,7 +48,7 @@ def slurm_nodes(tmp_path_factory):
         pytest.skip("emulating nodes needs ip, nsenter and unshare")
     folder = tmp_path_factory.mktemp("slurm-nodes")
     try:
-        env = cluster.start(folder, nodes=2, port=7017)
+        env = cluster.start(folder, nodes=3, port=7017)
     except Exception:
         cluster.stop(folder)
         raise

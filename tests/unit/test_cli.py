@@ -77,7 +77,9 @@ def test_top_level_help_lists_every_command_with_its_line(flag):
     out = lit_dist(*([flag] if flag else []))
     assert out.returncode == (0 if flag else ExitCode.CONFIG_ERROR), out.stderr[-2000:]
     text = out.stdout if flag else out.stderr
-    for name in ("fit", "validate", "test", "predict", "plan", "index", "export", "cache"):
+    from lit_dist.commands import NAMES
+
+    for name in NAMES:
         line = re.search(rf"^  {name}\s+(\S.*)$", text, re.M)
         assert line and len(line.group(1)) > 20, f"{name} missing from lit-dist {flag or ''}:\n{text}"
     assert "lit-dist fit --help" in text
@@ -87,7 +89,12 @@ def test_help_lists_every_knob_with_a_description():
     out = lit_dist("fit", "--help")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for prefix, cls in (("model", LitModel), ("data", BucketDataModule), ("run", RunConfig)):
+    from lit_dist.callbacks.stragglers import StragglerDetector
+    from lit_dist.callbacks.watchdog import HangWatchdog
+    from lit_dist.preflight import Preflight
+
+    for prefix, cls in (("model", LitModel), ("data", BucketDataModule), ("run", RunConfig), ("watchdog", HangWatchdog),
+                        ("straggler", StragglerDetector), ("preflight", Preflight)):
         for name in inspect.signature(cls.__init__).parameters:
             if name == "self":
                 continue

@@ -1,0 +1,81 @@
+"""``srun lit-dist preflight`` on the emulated three-node cluster (gloo, CPU matmul): a table per node and rank
+and the all-reduce figures; a rank that gets a quarter of its CPU time (stopped 3/4 of the time, as a node
+with a failing part or a noisy neighbour would be) is named and the command exits 14."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+from lit_dist.errors import ExitCode
+from tests.conftest import REPO, quickstart_args
+
+FLAGS = ["--data.batch_size_per_device", "8", "--data.num_workers", "0", "--preflight.seconds", "1.5",
+         "--preflight.io_mb", "8", "--preflight.allreduce_mb", "4"]
+
+
+def _preflight(env, tmp_path, demo_data, run_id: str, *extra: str, timeout: float = 240):
+    return subprocess.Popen(["srun", "-N3", "--ntasks-per-node=1", env["LIT_DIST"], "preflight",
+                             *quickstart_args(tmp_path, demo_data, run__run_id=run_id), *FLAGS, *extra],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rank_pid(run_id: str, rank: int) -> int | None:
+    for entry in os.listdir("/proc"):
+        try:
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except (OSError, ValueError):
+            continue
+        if f"SLURM_PROCID={rank}".encode() in environ and b"preflight" in cmdline and run_id.encode() in cmdline:
+            return int(entry)
+    return None
+
+
+def test_preflight_measures_every_rank_and_node_and_names_a_starved_rank(slurm_nodes, tmp_path, demo_data):
+    env, _ = slurm_nodes
+    proc = _preflight(env, tmp_path, demo_data, "even", "--preflight.min_fraction", "0.2")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "lit-dist preflight: 3 ranks on 3 nodes" in out, out[-2000:]
+    assert "all-reduce, whole job (3 ranks):" in out and "GB/s bus bandwidth" in out
+    report = json.loads((tmp_path / "quickstart" / "even" / "preflight.json").read_text())
+    assert [r["node"] for r in report["ranks"]] == ["node1", "node2", "node3"]
+    for figures in report["ranks"]:
+        assert all(figures[k] > 0 for k in ("matmul_tflops", "read_mb_s", "write_mb_s", "loader_images_s")), figures
+    assert report["job_busbw_gb_s"] > 0 and report["outliers"] == []
+    assert not list((tmp_path / "quickstart" / "even" / "checkpoints").glob(".preflight-*")), "its files are removed"
+
+    proc = _preflight(env, tmp_path, demo_data, "starved", "--preflight.min_fraction", "0.6")
+    stop = threading.Event()
+
+    def starve() -> None:  # 150 ms stopped, 50 ms running, for as long as rank 2 runs
+        pid = None
+        while pid is None and not stop.is_set():
+            pid = _rank_pid("starved", 2)
+            time.sleep(0.05)
+        while not stop.is_set():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.15)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.05)
+            except ProcessLookupError:
+                return
+
+    thread = threading.Thread(target=starve, daemon=True)
+    thread.start()
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        stop.set()
+        thread.join()
+    assert proc.returncode == ExitCode.PREFLIGHT, out[-2000:] + err[-3000:]
+    report = json.loads((tmp_path / "quickstart" / "starved" / "preflight.json").read_text())
+    named = "; ".join(report["outliers"])
+    assert "rank 2 (node3) matmul" in named and "rank 2 (node3) loader" in named, named
+    # The others' compute is not named (their I/O may be: three ranks share one disk and two cores here).
+    assert not [o for o in report["outliers"] if o.startswith(("rank 0", "rank 1")) and ("matmul" in o or "loader" in o)]
+    assert "lit-dist: error: preflight: below 0.6 x the median: rank 2 (node3)" in err, err[-2000:]
