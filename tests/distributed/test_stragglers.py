@@ -18,7 +18,7 @@ def _fit(tmp_path, demo_data, run_id: str, slow_rank: int):
         out = lit_dist(
             "fit", *quickstart_args(tmp_path, demo_data, data__batch_size_per_device=4, data__num_workers=0,
                                     data__resolution=32, trainer__devices=3, trainer__strategy="ddp",
-                                    trainer__max_steps=90, trainer__max_epochs=None, trainer__limit_val_batches=0,
+                                    trainer__max_steps=70, trainer__max_epochs=None, trainer__limit_val_batches=0,
                                     trainer__enable_progress_bar=False, run__run_id=run_id),
             "--straggler.window_steps", "20", "--straggler.windows", "2", "--straggler.threshold", "1.15",
             "--trainer.callbacks+=tests.helpers.recorder.SleepInStep", "--trainer.callbacks.seconds", "0.06",

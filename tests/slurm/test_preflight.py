@@ -12,7 +12,7 @@ import time
 from lit_dist.errors import ExitCode
 from tests.conftest import REPO, quickstart_args
 
-FLAGS = ["--data.batch_size_per_device", "8", "--data.num_workers", "0", "--preflight.seconds", "1.5",
+FLAGS = ["--data.batch_size_per_device", "8", "--data.num_workers", "0", "--preflight.seconds", "1",
          "--preflight.io_mb", "8", "--preflight.allreduce_mb", "4"]
 
 
