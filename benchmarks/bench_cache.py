@@ -11,7 +11,8 @@
 4. compression: zstd (per sample, as the cache stores it) vs gzip (Python's gzip.compress at its
    default level 9, per sample: SimpleTuner's --compress_disk_cache gzips each file) on the same
    cached pixels and on VAE latents of the photos at 256^2 (4 x 128 x 128 bf16, the size of SD
-   latents of a 1024^2 image). Target: zstd's ratio at least gzip's, decompression >= 3x faster.
+   latents of a 1024^2 image); pixels both as stored by default and as row differences
+   (data.cache.row_differences). Target: zstd's ratio at least gzip's, decompression >= 3x faster.
 5. S3: requests to read one sample from a shard on the local S3 server. Target 1.
 6. memory: bytes a run keeps per sample for a pixel + encoder cache, from a synthetic cache of
    1 M entries (index files only). Target <= 32.
@@ -147,8 +148,8 @@ def bench_latent(tmp: str, epochs: int) -> dict:
             "seed_spread_points": 100 * abs(results["cache"]["val_acc"] - results["cache_seed1"]["val_acc"])}
 
 
-def entries(cache_dir: str, field: str, limit: int) -> list[bytes]:
-    """The raw arrays (as stored, before compression) of up to ``limit`` entries of a cache field."""
+def entries(cache_dir: str, field: str, limit: int) -> list[np.ndarray]:
+    """The arrays of up to ``limit`` entries of a cache field, as a reader gets them."""
     from lit_dist.cache.reader import FieldIndex
     from lit_dist.cache.shards import decode
     from lit_dist.cache.store import CacheStore
@@ -161,11 +162,12 @@ def entries(cache_dir: str, field: str, limit: int) -> list[bytes]:
     for i in range(min(limit, len(index.sample))):
         with open(store.shard_url(field, shards[index.shard[i]]["name"]), "rb") as f:
             f.seek(int(index.offset[i]))
-            out.append(decode(f.read(int(index.length[i])), int(index.crc[i]), dtype).tobytes())
+            layout = shards[index.shard[i]].get("layout")
+            out.append(decode(f.read(int(index.length[i])), int(index.crc[i]), dtype, layout))
     return out
 
 
-def photo_latents(table: str, cache_dir: str, count: int = 100) -> list[bytes]:
+def photo_latents(table: str, cache_dir: str, count: int = 100) -> list[np.ndarray]:
     """Latents of the first ``count`` photos at 256^2 from the latent quickstart's VAE, as cached (bf16)."""
     import pyarrow.parquet as pq
     import torch
@@ -184,27 +186,38 @@ def photo_latents(table: str, cache_dir: str, count: int = 100) -> list[bytes]:
     return entries(cache_dir, "encoder", count)
 
 
-def bench_compression(payloads: list[bytes], itemsize: int = 1, level: int = 3) -> dict:
-    """zstd on the bytes as the cache stores them (multi-byte dtypes byte-shuffled) vs gzip on the plain bytes
-    (what gzipping each file stores); also zstd on the plain bytes, to separate codec and layout."""
+def bench_compression(arrays: list[np.ndarray], level: int = 3, layout: str | None = None) -> dict:
+    """zstd on the bytes as the cache stores them (images as row differences, multi-byte dtypes byte-shuffled)
+    vs gzip on the plain bytes (what gzipping each file stores); also zstd on the plain bytes, to separate codec
+    and layout. Decompression times include undoing the layout, as a reader does."""
     import pyarrow as pa
 
-    from lit_dist.cache.shards import shuffle, unshuffle
+    from lit_dist.cache.shards import ROWS, stored
 
     zstd = pa.Codec("zstd", compression_level=level)
+    payloads = [a.tobytes() for a in arrays]
     raw = sum(len(p) for p in payloads)
     plain_zstd = raw / sum(len(zstd.compress(p, asbytes=True)) for p in payloads)
-    stored = [bytes(shuffle(np.frombuffer(p, dtype=f"u{itemsize}"))) for p in payloads]
-    z = [zstd.compress(p, asbytes=True) for p in stored]
+    z = [zstd.compress(bytes(stored(a, layout)), asbytes=True) for a in arrays]
     g = [gzip.compress(p) for p in payloads]  # Python's default level, 9
+
+    def unpack_zstd(blob: bytes, array: np.ndarray) -> np.ndarray:
+        from lit_dist.cache.shards import unshuffle
+
+        flat = unshuffle(np.frombuffer(zstd.decompress(blob, decompressed_size=array.nbytes), np.uint8),
+                         array.itemsize)
+        out = flat.view(array.dtype).reshape(array.shape)
+        return np.cumsum(out, axis=0, dtype=np.uint8) if layout == ROWS else out
+
+    for blob, array in zip(z[:3], arrays[:3], strict=False):
+        assert np.array_equal(unpack_zstd(blob, array), array), "the stored layout must round-trip"
     timings = {}
-    for name, blobs, unpack in (("zstd", z, lambda b, n: unshuffle(np.frombuffer(zstd.decompress(b, decompressed_size=n), np.uint8), itemsize)),
-                                ("gzip", g, lambda b, n: gzip.decompress(b))):
+    for name, blobs, unpack in (("zstd", z, unpack_zstd), ("gzip", g, lambda b, a: gzip.decompress(b))):
         best = float("inf")
         for _ in range(3):
             started = time.perf_counter()
-            for blob, p in zip(blobs, payloads, strict=True):
-                unpack(blob, len(p))
+            for blob, array in zip(blobs, arrays, strict=True):
+                unpack(blob, array)
             best = min(best, time.perf_counter() - started)
         timings[name] = best
     return {"zstd_ratio": raw / sum(map(len, z)), "gzip_ratio": raw / sum(map(len, g)), "zstd_plain_ratio": plain_zstd,
@@ -296,8 +309,11 @@ def main() -> None:
               f"accuracy vs on the fly: bf16 cache {latent['acc_points']:+.2f} points, fp32 cache "
               f"{latent['acc_points_fp32']:+.2f} (target within 1); the same cached run with another seed moves "
               f"{latent['seed_spread_points']:.2f} points")
-    results = {"pixels": bench_compression(entries(os.path.join(tmp, "pixels"), "pixels", 200)),
-               "latents": bench_compression(photo_latents(table, os.path.join(tmp, "photo-latents")), itemsize=2)}
+    from lit_dist.cache.shards import ROWS
+
+    pixels = entries(os.path.join(tmp, "pixels"), "pixels", 200)
+    results = {"pixels": bench_compression(pixels), "pixels as row differences": bench_compression(pixels, layout=ROWS),
+               "latents": bench_compression(photo_latents(table, os.path.join(tmp, "photo-latents")))}
     for name, r in results.items():
         print(f"4. compression, {name}: zstd as stored {r['zstd_ratio']:.2f}x at {r['zstd_decompress_MBps']:.0f} MB/s "
               f"(on the plain bytes {r['zstd_plain_ratio']:.2f}x), gzip {r['gzip_ratio']:.2f}x at "

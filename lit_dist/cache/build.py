@@ -230,7 +230,8 @@ class _Builder:
 
     def _writer(self, name: str) -> ShardWriter:
         cfg = self.plan.config
-        return ShardWriter(self.plan.dtype(name), cfg.compression, cfg.compression_level, cfg.min_savings)
+        return ShardWriter(self.plan.dtype(name), cfg.compression, cfg.compression_level, cfg.min_savings,
+                           cfg.row_differences)
 
     def add(self, d: int, rows: np.ndarray, lacking: dict, size: tuple[int, int], images: list, unreadable) -> None:
         from lit_dist.data.dataset import centre_crop
@@ -280,7 +281,7 @@ class _Builder:
         data, index = writer.finish()
         store = self.plan.store
         self.written[name].append(store.write_shard(name, self.plan.fingerprints[name], data, index, raw, samples,
-                                                    len(writer)))
+                                                    len(writer), writer.layout))
         store.record_pending(name, self.build, self.rank, self.written[name])
         self.outcome["bytes"] += len(data)
         self.outcome["raw_bytes"] += raw

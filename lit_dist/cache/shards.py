@@ -9,7 +9,8 @@ S3), never the whole shard.
 
 Columns of a record batch: ``sample`` and ``key`` (uint64, see ``keys``), ``shape``
 (int32 list) and ``data`` (the array's bytes, C order; for multi-byte dtypes byte-shuffled, see
-``shuffle``). The dtype is in the schema metadata.
+``shuffle``; for uint8 images, in shards whose manifest entry says ``"layout": "rows"``, each
+row minus the row above, see ``difference_rows``). The dtype is in the schema metadata.
 
 Next to each shard, ``<name>.index.arrow`` (an Arrow IPC file) lists its entries (sample, key,
 offset, length, crc32): the index a stream has no footer for, and what opening a cache reads
@@ -30,7 +31,8 @@ INDEX_SCHEMA = pa.schema([("sample", pa.uint64()), ("key", pa.uint64()), ("offse
 def schema(dtype: str) -> pa.Schema:
     return pa.schema([("sample", pa.uint64()), ("key", pa.uint64()), ("shape", pa.list_(pa.int32())), ("data", pa.binary())],
                      metadata={b"dtype": dtype.encode(), b"format": b"lit-dist cache shard 2",
-                               b"layout": b"C order; bytes shuffled by position for multi-byte dtypes"})
+                               b"layout": b"C order; bytes shuffled by position for multi-byte dtypes; "
+                                          b"uint8 images as row differences where the manifest says layout rows"})
 
 
 class ShardWriter:
@@ -42,8 +44,12 @@ class ShardWriter:
     not a decompression); Arrow readers handle both in one stream.
     """
 
-    def __init__(self, dtype: str, compression: str = "zstd", level: int = 3, min_savings: float = 0.1):
+    def __init__(self, dtype: str, compression: str = "zstd", level: int = 3, min_savings: float = 0.1,
+                 row_differences: bool = False):
         self.dtype = dtype
+        # Images (uint8, rows first) as row differences, if asked: zstd compresses photos' to about half, where
+        # their plain bytes hardly compress (1.82x against 1.11x, benchmarks/bench_cache.py); reading costs more.
+        self.layout = ROWS if row_differences and dtype == "uint8" else None
         self.schema = schema(dtype)
         self.codec = pa.Codec("zstd", compression_level=level) if compression == "zstd" else None
         self.min_savings = min_savings
@@ -60,7 +66,7 @@ class ShardWriter:
             self._index.append((sample, key, 0, 0, 0))
             return
         array = np.ascontiguousarray(array)
-        raw = shuffle(array)
+        raw = stored(array, self.layout)
         batch = pa.record_batch([pa.array([sample], pa.uint64()), pa.array([key], pa.uint64()),
                                  pa.array([list(array.shape)], pa.list_(pa.int32())), pa.array([raw], pa.binary())],
                                 schema=self.schema)
@@ -100,6 +106,26 @@ def _message(schema: pa.Schema, batch: pa.RecordBatch | None, options: pa.ipc.Ip
     return data[:schema_end] if batch is None else data[schema_end:]
 
 
+ROWS = "rows"  # a shard's layout: uint8 arrays stored as row differences (difference_rows)
+
+
+def stored(array: np.ndarray, layout: str | None):
+    """The bytes a shard of ``layout`` stores for ``array`` (before compression)."""
+    if layout == ROWS and array.dtype == np.uint8 and array.ndim >= 2:
+        return difference_rows(array).reshape(-1).data
+    return shuffle(array)
+
+
+def difference_rows(array: np.ndarray) -> np.ndarray:
+    """Each row minus the row above, modulo 256 (PNG's Up filter): neighbouring rows of an image are alike, so
+    the differences are small numbers that compress, where the pixels themselves (noise, texture) do not.
+    ``np.cumsum(..., axis=0, dtype=np.uint8)`` undoes it, a whole row at a time."""
+    out = np.empty_like(array)
+    out[0] = array[0]
+    np.subtract(array[1:], array[:-1], out=out[1:])
+    return out
+
+
 def shuffle(array: np.ndarray):
     """The array's bytes, for multi-byte dtypes grouped by byte position (all first bytes, then all second
     bytes, ...), as HDF5's and Blosc's shuffle filters do: the exponent bytes of floats repeat a lot and
@@ -133,8 +159,8 @@ class CorruptEntry(Exception):
     """A cached entry's bytes do not match its crc32, or do not decode."""
 
 
-def decode(data: bytes | memoryview, crc: int, dtype: str) -> np.ndarray:
-    """One sample's array from its byte range, checked against its crc32."""
+def decode(data: bytes | memoryview, crc: int, dtype: str, layout: str | None = None) -> np.ndarray:
+    """One sample's array from its byte range (in a shard of ``layout``), checked against its crc32."""
     if zlib.crc32(data) != crc:
         raise CorruptEntry("crc32 mismatch")
     try:
@@ -142,6 +168,9 @@ def decode(data: bytes | memoryview, crc: int, dtype: str) -> np.ndarray:
         batch = pa.ipc.read_record_batch(message, schema(dtype))
         shape = batch.column(2)[0].as_py()
         raw = np.frombuffer(batch.column(3)[0].as_buffer(), dtype=np.uint8)
-        return unshuffle(raw, np.dtype(DTYPES[dtype]).itemsize).view(DTYPES[dtype]).reshape(shape)
+        array = unshuffle(raw, np.dtype(DTYPES[dtype]).itemsize).view(DTYPES[dtype]).reshape(shape)
+        if layout == ROWS and array.dtype == np.uint8 and array.ndim >= 2:
+            return np.cumsum(array, axis=0, dtype=np.uint8)
+        return array
     except (pa.ArrowException, ValueError) as exc:
         raise CorruptEntry(str(exc)) from exc

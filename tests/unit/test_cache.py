@@ -12,6 +12,7 @@ import torch
 
 from lit_dist.cache.config import CacheConfig
 from lit_dist.cache.shards import ShardWriter, decode, read_index
+from lit_dist.cache.store import CacheStore
 from lit_dist.commands.cache import check_cache
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, DataError
@@ -62,9 +63,12 @@ def batches(dm: BucketDataModule, split: str = "train", count: int = 6) -> list[
     return out
 
 
-def test_cached_batches_equal_decoded_batches_bitwise(tmp_path, data):
-    cached = module(data, cache_config(tmp_path))
+@pytest.mark.parametrize("row_differences", [False, True], ids=["as-is", "row-differences"])
+def test_cached_batches_equal_decoded_batches_bitwise(tmp_path, data, row_differences):
+    cached = module(data, cache_config(tmp_path, row_differences=row_differences))
     cached.setup("fit")
+    layouts = {s.get("layout") for s in CacheStore(str(tmp_path / "cache")).manifest("pixels")["shards"]}
+    assert layouts == ({"rows"} if row_differences else {None})
     plain = module(data, None)
     plain.setup("fit")
     for split in ("train", "val"):
@@ -260,7 +264,7 @@ def test_shard_round_trip_and_compression_choice():
         table = read_index(index)
         for i, a in enumerate(arrays):
             at, n = table.column("offset")[i].as_py(), table.column("length")[i].as_py()
-            assert np.array_equal(decode(data[at : at + n], table.column("crc32")[i].as_py(), "uint8"), a)
+            assert np.array_equal(decode(data[at : at + n], table.column("crc32")[i].as_py(), "uint8", writer.layout), a)
         assert pa.ipc.open_stream(pa.py_buffer(data)).read_all().num_rows == 5  # any Arrow reader opens a shard
         sizes[compression] = len(data)
     assert sizes["zstd"] < sizes["none"] / 2
@@ -273,7 +277,29 @@ def test_shard_round_trip_and_compression_choice():
     plain.add(0, 0, noise)
     assert table.column("length")[0].as_py() == read_index(plain.finish()[1]).column("length")[0].as_py()  # as is
     at, n = table.column("offset")[0].as_py(), table.column("length")[0].as_py()
-    assert np.array_equal(decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8"), noise)
+    assert np.array_equal(decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8", writer.layout), noise)
+
+
+def test_images_stored_as_row_differences_round_trip_smaller_and_plain_shards_still_decode():
+    from lit_dist.cache.shards import ROWS
+
+    rng = np.random.default_rng(0)
+    # A photo-like image: smooth light across it and sensor-like noise on top, whose plain bytes hardly compress.
+    light = np.linspace(0, 200, 96)[:, None, None] + np.linspace(0, 50, 128)[None, :, None]
+    image = np.clip(light + rng.normal(0, 3, (96, 128, 3)), 0, 255).astype(np.uint8)
+    sizes = {}
+    for layout in (ROWS, None):  # None: a shard from before row differences (its manifest entry has no layout)
+        writer = ShardWriter("uint8", "zstd", min_savings=0, row_differences=layout == ROWS)
+        assert writer.layout == layout
+        writer.add(0, 0, image)
+        data, index = writer.finish()
+        table = read_index(index)
+        at, n = table.column("offset")[0].as_py(), table.column("length")[0].as_py()
+        back = decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8", layout)
+        assert back.dtype == np.uint8 and np.array_equal(back, image)
+        sizes[layout] = n
+    assert sizes[ROWS] < 0.8 * sizes[None], sizes
+    assert ShardWriter("bf16", row_differences=True).layout is None, "only images are differenced"
 
 
 def test_bad_cache_configs_are_named_together(tmp_path, data):
