@@ -126,25 +126,26 @@ def outliers(ranks: list[RankFigures], node_busbw: dict[str, float], min_fractio
 # -- the measurements (every rank) -----------------------------------------------------------------
 
 def matmul_tflops(device: torch.device, seconds: float) -> float:
-    """TFLOP/s of square matrix products on ``device`` over about ``seconds``."""
+    """TFLOP/s of square matrix products on ``device``, over at least ``seconds`` of them (a fixed count sized from
+    one timed product would let a rank that was held up in that one measure a short, lucky window)."""
     cuda = device.type == "cuda"
     n, dtype = (8192, torch.bfloat16) if cuda else (1024, torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-
-    def run(times: int) -> float:
+    torch.mm(a, b)  # warm-up
+    if cuda:
+        torch.cuda.synchronize(device)
+    count, started = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        count += 1
+        if cuda and count % 8:  # on a GPU, look at the clock (a sync) every 8 products
+            continue
         if cuda:
             torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        for _ in range(times):
-            torch.mm(a, b)
-        if cuda:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - started
-
-    once = run(1)  # warm-up, and the size of the timed loop
-    times = max(3, int(seconds / max(once, 1e-6)))
-    return 2 * n**3 * times / run(times) / 1e12
+        took = time.perf_counter() - started
+        if took >= seconds:
+            return 2 * n**3 * count / took / 1e12
 
 
 def allreduce_busbw(nbytes: int, device: torch.device, seconds: float, group=None, ranks: int | None = None) -> float:

@@ -71,19 +71,22 @@ def _requeue_excluding(job: str, exclude: list[str], timeout_s: float) -> str:
 
 
 def excluded_nodes(job: str, timeout_s: float = 30) -> list[str]:
-    """The nodes job ``job`` excludes (``--exclude``, and what was added since), one name each."""
-    out = subprocess.run(["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True,
-                         timeout=timeout_s)
-    if out.returncode != 0:
-        raise RuntimeError((out.stderr or out.stdout).strip())
-    found = re.search(r"\bExcNodeList=(\S+)", out.stdout)
+    """The nodes job ``job`` excludes (``--exclude``, and what was added since), one name each; RuntimeError
+    when scontrol cannot say."""
+    found = re.search(r"\bExcNodeList=(\S+)", _scontrol_output(["show", "job", "--oneliner", job], timeout_s))
     if found is None or found.group(1) == "(null)":
         return []
-    names = subprocess.run(["scontrol", "show", "hostnames", found.group(1)], capture_output=True, text=True,
-                           timeout=timeout_s)
-    if names.returncode != 0:
-        raise RuntimeError((names.stderr or names.stdout).strip())
-    return names.stdout.split()
+    return _scontrol_output(["show", "hostnames", found.group(1)], timeout_s).split()
+
+
+def _scontrol_output(args: list[str], timeout_s: float) -> str:
+    try:
+        out = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"scontrol {' '.join(args)}: {exc}") from exc
+    if out.returncode != 0:
+        raise RuntimeError((out.stderr or out.stdout).strip())
+    return out.stdout
 
 
 @contextlib.contextmanager

@@ -85,7 +85,7 @@ class StragglerDetector(Callback):
         self._control: RunControl | None = None
         self._clock: _HostClock | _CudaClock = _HostClock()
         self._totals = np.zeros(len(_FACTS))  # seconds per part and optimizer steps, of completed steps
-        self._pending: list[list] = []  # per micro-batch: [data_s, start, before backward, last grad, optimizer, end, step]
+        self._pending: list[list] = []  # per micro-batch: [data_s, start, before backward, last grad, optimizer, end, stepped]
         self._record: list | None = None
         self._ended: float | None = None  # host time the last training batch ended
         self._step: int | None = None

@@ -1,6 +1,6 @@
 """``srun lit-dist preflight`` on the emulated three-node cluster (gloo, CPU matmul): a table per node and rank
-and the all-reduce figures; a rank that gets a quarter of its CPU time (stopped 3/4 of the time, as a node
-with a failing part or a noisy neighbour would be) is named and the command exits 14."""
+and the all-reduce figures; a rank stopped six sevenths of the time (as a node with a failing part or a noisy
+neighbour would be slowed) is named and the command exits 14."""
 
 import json
 import os
@@ -51,7 +51,7 @@ def test_preflight_measures_every_rank_and_node_and_names_a_starved_rank(slurm_n
     proc = _preflight(env, tmp_path, demo_data, "starved", "--preflight.min_fraction", "0.6")
     stop = threading.Event()
 
-    def starve() -> None:  # 150 ms stopped, 50 ms running, for as long as rank 2 runs
+    def starve() -> None:  # 180 ms stopped, 30 ms running, for as long as rank 2 runs
         pid = None
         while pid is None and not stop.is_set():
             pid = _rank_pid("starved", 2)
@@ -59,9 +59,9 @@ def test_preflight_measures_every_rank_and_node_and_names_a_starved_rank(slurm_n
         while not stop.is_set():
             try:
                 os.kill(pid, signal.SIGSTOP)
-                time.sleep(0.15)
+                time.sleep(0.18)
                 os.kill(pid, signal.SIGCONT)
-                time.sleep(0.05)
+                time.sleep(0.03)
             except ProcessLookupError:
                 return
 
