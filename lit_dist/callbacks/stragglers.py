@@ -37,6 +37,7 @@ Configured by the CLI's ``straggler`` group::
 
 import logging
 import time
+from collections import deque
 
 import numpy as np
 from lightning.pytorch import Callback
@@ -85,7 +86,7 @@ class StragglerDetector(Callback):
         self._control: RunControl | None = None
         self._clock: _HostClock | _CudaClock = _HostClock()
         self._totals = np.zeros(len(_FACTS))  # seconds per part and optimizer steps, of completed steps
-        self._pending: list[list] = []  # per micro-batch: [data_s, start, before backward, last grad, optimizer, end, stepped]
+        self._pending: deque[list] = deque()  # per micro-batch: [data_s, start, before backward, last grad, optimizer, end, stepped]
         self._record: list | None = None
         self._ended: float | None = None  # host time the last training batch ended
         self._step: int | None = None
@@ -115,7 +116,7 @@ class StragglerDetector(Callback):
         self.check_world(world)
         self._clock = _CudaClock() if trainer.strategy.root_device.type == "cuda" else _HostClock()
         self._totals[:] = 0
-        self._pending, self._record, self._ended, self._step = [], None, None, trainer.global_step
+        self._pending, self._record, self._ended, self._step = deque(), None, None, trainer.global_step
         self._base, self._streak = None, (-1, 0)
         self._sentinel, self._fired = None, []
         self._hook_every_parameter(pl_module)
@@ -173,7 +174,7 @@ class StragglerDetector(Callback):
         self._drain()
         self._ended = time.perf_counter()
         if record[6] and self._sentinel is None and self._fired:
-            self._keep_only_the_last_hook(pl_module)
+            self._keep_only_the_last_hook()
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._ended = None  # the wait for the first batch after validation is the loader's start-up, not a straggle
@@ -181,9 +182,9 @@ class StragglerDetector(Callback):
     def _drain(self) -> None:
         """Add the micro-batches whose marks have completed (all of them on CPU) to the totals, in order."""
         while self._pending and self._clock.done(self._pending[0][5]):
-            waited, start, backward, grad, optimizer, end, stepped = self._pending.pop(0)
-            backward = backward or end
-            grad = grad or backward
+            waited, start, backward, grad, optimizer, end, stepped = self._pending.popleft()
+            backward = end if backward is None else backward
+            grad = backward if grad is None else grad
             self._totals[0] += waited
             self._totals[1] += self._clock.seconds(start, backward)
             self._totals[2] += self._clock.seconds(backward, grad)
@@ -196,11 +197,10 @@ class StragglerDetector(Callback):
         """For the first step: a hook on every trainable parameter, to learn which one autograd finishes with."""
         self._unhook()
         self._parameters = [p for p in pl_module.parameters() if p.requires_grad]
-        for i, p in enumerate(self._parameters):
-            if hasattr(p, "register_post_accumulate_grad_hook"):
-                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i)))
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i))
+                       for i, p in enumerate(self._parameters)]
 
-    def _keep_only_the_last_hook(self, pl_module) -> None:
+    def _keep_only_the_last_hook(self) -> None:
         """After the first step, one hook per step instead of one per parameter (autograd's order is fixed)."""
         self._sentinel = self._fired[-1]
         self._unhook()
