@@ -162,8 +162,7 @@ def entries(cache_dir: str, field: str, limit: int) -> list[np.ndarray]:
     for i in range(min(limit, len(index.sample))):
         with open(store.shard_url(field, shards[index.shard[i]]["name"]), "rb") as f:
             f.seek(int(index.offset[i]))
-            layout = shards[index.shard[i]].get("layout")
-            out.append(decode(f.read(int(index.length[i])), int(index.crc[i]), dtype, layout))
+            out.append(decode(f.read(int(index.length[i])), int(index.crc[i]), dtype, shards[index.shard[i]]))
     return out
 
 
@@ -192,7 +191,7 @@ def bench_compression(arrays: list[np.ndarray], level: int = 3, layout: str | No
     and layout. Decompression times include undoing the layout, as a reader does."""
     import pyarrow as pa
 
-    from lit_dist.cache.shards import ROWS, stored
+    from lit_dist.cache.shards import ROWS, stored, sum_rows
 
     zstd = pa.Codec("zstd", compression_level=level)
     payloads = [a.tobytes() for a in arrays]
@@ -207,7 +206,7 @@ def bench_compression(arrays: list[np.ndarray], level: int = 3, layout: str | No
         flat = unshuffle(np.frombuffer(zstd.decompress(blob, decompressed_size=array.nbytes), np.uint8),
                          array.itemsize)
         out = flat.view(array.dtype).reshape(array.shape)
-        return np.cumsum(out, axis=0, dtype=np.uint8) if layout == ROWS else out
+        return sum_rows(out) if layout == ROWS else out
 
     for blob, array in zip(z[:3], arrays[:3], strict=False):
         assert np.array_equal(unpack_zstd(blob, array), array), "the stored layout must round-trip"

@@ -281,7 +281,7 @@ class _Builder:
         data, index = writer.finish()
         store = self.plan.store
         self.written[name].append(store.write_shard(name, self.plan.fingerprints[name], data, index, raw, samples,
-                                                    len(writer), writer.layout))
+                                                    len(writer), writer.encoding))
         store.record_pending(name, self.build, self.rank, self.written[name])
         self.outcome["bytes"] += len(data)
         self.outcome["raw_bytes"] += raw

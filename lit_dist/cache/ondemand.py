@@ -130,7 +130,7 @@ class OnDemandFill:
         data, index = writer.finish()
         store = self.plan.store
         self.written[name].append(store.write_shard(name, self.plan.fingerprints[name], data, index, raw, samples,
-                                                    entries, writer.layout))
+                                                    entries, writer.encoding))
         store.record_pending(name, self.build, self.comm.rank if self.comm else 0, self.written[name])
 
     # -- epoch boundaries (every rank) ---------------------------------------------------------
@@ -164,4 +164,4 @@ class OnDemandFill:
             for key, view in views.items():  # the datasets hold these view objects: they see the new entries
                 new = fresh[key]
                 view.urls, view.shard, view.offset, view.length, view.crc = new.urls, new.shard, new.offset, new.length, new.crc
-                view.layouts = new.layouts
+                view.encodings = new.encodings

@@ -109,7 +109,7 @@ class FieldIndex:
             np.where(ok, self.offset[entry], 0).astype(np.uint32),
             np.where(ok, self.length[entry], 0).astype(np.uint32),
             np.where(ok, self.crc[entry], 0).astype(np.uint32),
-            [s.get("layout") for s in self.shards],
+            [{k: s[k] for k in ("values", "layout") if k in s} for s in self.shards],
         )
 
 
@@ -121,10 +121,10 @@ class FieldView:
     """One field's entries for the samples of one dataset, by table position; safe to pickle to loader workers."""
 
     def __init__(self, field: str, dtype: str, urls: list[str], storage_options: dict, shard: np.ndarray,
-                 offset: np.ndarray, length: np.ndarray, crc: np.ndarray, layouts: list[str | None] | None = None):
+                 offset: np.ndarray, length: np.ndarray, crc: np.ndarray, encodings: list[dict] | None = None):
         self.field, self.dtype, self.urls, self.storage_options = field, dtype, urls, storage_options
         self.shard, self.offset, self.length, self.crc = shard, offset, length, crc
-        self.layouts = layouts or [None] * len(urls)  # per shard, from its manifest entry (older shards: none)
+        self.encodings = encodings or [{}] * len(urls)  # per shard, from its manifest entry (shards.decode)
         self._files, self._pid, self._fs = {}, None, None
 
     def __getstate__(self) -> dict:
@@ -133,7 +133,7 @@ class FieldView:
     def take(self, positions: np.ndarray) -> "FieldView":
         """The entries of ``positions`` only (for a split pickled to a spawned worker)."""
         return FieldView(self.field, self.dtype, self.urls, self.storage_options, self.shard[positions],
-                         self.offset[positions], self.length[positions], self.crc[positions], self.layouts)
+                         self.offset[positions], self.length[positions], self.crc[positions], self.encodings)
 
     def read(self, position: int) -> np.ndarray:
         """The cached array of the sample at table ``position``; MissingEntry or CorruptEntry otherwise."""
@@ -142,7 +142,7 @@ class FieldView:
         if shard < 0 or length == 0:
             raise MissingEntry("not in the cache" if shard < 0 else "its source could not be decoded when the cache was built")
         offset = int(self.offset[position])
-        return decode(self._read(shard, offset, length), int(self.crc[position]), self.dtype, self.layouts[shard])
+        return decode(self._read(shard, offset, length), int(self.crc[position]), self.dtype, self.encodings[shard])
 
     def _read(self, shard: int, offset: int, length: int) -> bytes | memoryview:
         if self._pid != os.getpid():  # handles are opened per process (s3fs clients do not survive a fork)

@@ -125,14 +125,15 @@ class CacheStore:
     # -- writing (every rank) -------------------------------------------------------------------
 
     def write_shard(self, field: str, fingerprint: str, data: bytes, index: bytes, raw_bytes: int, samples: int,
-                    entries: int, layout: str | None = None) -> dict:
-        """Write one shard and its index (complete or absent); returns its manifest entry."""
+                    entries: int, encoding: dict | None = None) -> dict:
+        """Write one shard and its index (complete or absent); returns its manifest entry (``encoding``: how its
+        values are stored, ``ShardWriter.encoding``)."""
         name = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:12]}"
         shard = write_bytes_atomically(self.fs, self.path(field, "shards", f"{name}.arrow"), data)
         listed = write_bytes_atomically(self.fs, self.path(field, "shards", f"{name}.index.arrow"), index)
         return {"name": name, "fingerprint": fingerprint, "bytes": shard.size, "sha256": shard.sha256,
                 "raw_bytes": raw_bytes, "samples": samples, "entries": entries,
-                "index_bytes": listed.size, "index_sha256": listed.sha256, **({"layout": layout} if layout else {})}
+                "index_bytes": listed.size, "index_sha256": listed.sha256, **(encoding or {})}
 
     def record_pending(self, field: str, build: str, rank: int, shards: list[dict]) -> None:
         """Name a rank's finished shards (rewritten whole after each shard): they survive a kill of the build."""

@@ -39,7 +39,7 @@ def entries(cache_dir, fields=("pixels", "encoder")) -> dict:
                 f.seek(int(index.offset[i]))
                 data = f.read(int(index.length[i]))
             dtype = "uint8" if field == "pixels" else "bf16"
-            out[(field, int(index.sample[i]), int(index.key[i]))] = decode(data, int(index.crc[i]), dtype) if len(data) else None
+            out[(field, int(index.sample[i]), int(index.key[i]))] = decode(data, int(index.crc[i]), dtype, shards[index.shard[i]]) if len(data) else None
     return out
 
 

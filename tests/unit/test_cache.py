@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -264,7 +265,7 @@ def test_shard_round_trip_and_compression_choice():
         table = read_index(index)
         for i, a in enumerate(arrays):
             at, n = table.column("offset")[i].as_py(), table.column("length")[i].as_py()
-            assert np.array_equal(decode(data[at : at + n], table.column("crc32")[i].as_py(), "uint8", writer.layout), a)
+            assert np.array_equal(decode(data[at : at + n], table.column("crc32")[i].as_py(), "uint8", writer.encoding), a)
         assert pa.ipc.open_stream(pa.py_buffer(data)).read_all().num_rows == 5  # any Arrow reader opens a shard
         sizes[compression] = len(data)
     assert sizes["zstd"] < sizes["none"] / 2
@@ -277,7 +278,7 @@ def test_shard_round_trip_and_compression_choice():
     plain.add(0, 0, noise)
     assert table.column("length")[0].as_py() == read_index(plain.finish()[1]).column("length")[0].as_py()  # as is
     at, n = table.column("offset")[0].as_py(), table.column("length")[0].as_py()
-    assert np.array_equal(decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8", writer.layout), noise)
+    assert np.array_equal(decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8", writer.encoding), noise)
 
 
 def test_images_stored_as_row_differences_round_trip_smaller_and_plain_shards_still_decode():
@@ -295,11 +296,38 @@ def test_images_stored_as_row_differences_round_trip_smaller_and_plain_shards_st
         data, index = writer.finish()
         table = read_index(index)
         at, n = table.column("offset")[0].as_py(), table.column("length")[0].as_py()
-        back = decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8", layout)
+        back = decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8", writer.encoding)
         assert back.dtype == np.uint8 and np.array_equal(back, image)
         sizes[layout] = n
     assert sizes[ROWS] < 0.8 * sizes[None], sizes
     assert ShardWriter("bf16", row_differences=True).layout is None, "only images are differenced"
+
+
+def test_shards_written_before_values_carried_their_compression_still_decode():
+    """Shards of format 2 (no "values" in their manifest entry) have zstd-compressed IPC messages."""
+    from lit_dist.cache.shards import schema
+
+    image = np.repeat(np.arange(60, dtype=np.uint8).reshape(6, 10, 1), 3, axis=2)
+    batch = pa.record_batch([pa.array([0], pa.uint64()), pa.array([7], pa.uint64()), pa.array([list(image.shape)],
+                             pa.list_(pa.int32())), pa.array([image.tobytes()], pa.binary())], schema=schema("uint8"))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_batch(batch)
+    stream = sink.getvalue().to_pybytes()
+    start = 8 + int.from_bytes(stream[4:8], "little")  # after the schema message
+    message = stream[start:-8]  # before the end-of-stream marker
+    assert np.array_equal(decode(message, zlib.crc32(message), "uint8", {}), image)
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 3), (2, 2), (17, 3, 3), (299, 224, 3), (4, 128, 128)])
+def test_summing_rows_undoes_row_differences_for_any_shape(shape):
+    from lit_dist.cache.shards import difference_rows, sum_rows
+
+    image = np.random.default_rng(1).integers(0, 256, shape, dtype=np.uint8)
+    differences = difference_rows(image)
+    back = sum_rows(differences)
+    assert back.shape == image.shape and np.array_equal(back, image)
+    assert np.array_equal(differences, difference_rows(image)), "the input is left as it was"
 
 
 def test_bad_cache_configs_are_named_together(tmp_path, data):
@@ -502,7 +530,7 @@ def test_float_entries_round_trip_through_the_byte_shuffle(dtype):
 
     for i, a in enumerate(arrays):
         at, n = table.column("offset")[i].as_py(), table.column("length")[i].as_py()
-        back = decode(data[at : at + n], table.column("crc32")[i].as_py(), dtype)
+        back = decode(data[at : at + n], table.column("crc32")[i].as_py(), dtype, writer.encoding)
         assert np.array_equal(back, a)
         expected = values[i].to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
         assert torch.equal(_tensor(back, dtype), expected)
