@@ -25,7 +25,9 @@ import uuid
 from lit_dist.ckpt.files import filesystem, hash_file, is_local, write_bytes_atomically
 from lit_dist.errors import ConfigError, DataError
 
-FORMAT = 1
+# 2: shards whose manifest entries say how their values are stored ("values", "layout"; cache/shards.py),
+# which a reader of format 1 would take for damaged entries. Caches of format 1 read as they always did.
+FORMAT = 2
 MARKER = "CACHE.json"
 KIND = "lit-dist cache"
 
