@@ -201,21 +201,19 @@ def bench_compression(arrays: list[np.ndarray], level: int = 3, layout: str | No
     stored bytes, to separate codec and layout. Decompression times include undoing the layout, as a reader does."""
     import pyarrow as pa
 
-    from lit_dist.cache.shards import ROWS, stored, sum_rows
+    from lit_dist.cache.shards import restored, stored
 
     zstd = pa.Codec("zstd", compression_level=level)
     payloads = [a.tobytes() for a in arrays]
     raw = sum(len(p) for p in payloads)
     plain_zstd = raw / sum(len(zstd.compress(p, asbytes=True)) for p in payloads)
-    z = [zstd.compress(bytes(stored(a, layout)), asbytes=True) for a in arrays]
+    as_stored = [bytes(stored(a, layout)) for a in arrays]
+    z = [zstd.compress(s, asbytes=True) for s in as_stored]
     g = [gzip.compress(p) for p in payloads]  # Python's default level, 9
-    g_stored = [gzip.compress(bytes(stored(a, layout))) for a in arrays]
+    g_stored = [gzip.compress(s) for s in as_stored]
 
     def undo(data: bytes, array: np.ndarray) -> np.ndarray:
-        from lit_dist.cache.shards import unshuffle
-
-        out = unshuffle(np.frombuffer(data, np.uint8), array.itemsize).view(array.dtype).reshape(array.shape)
-        return sum_rows(out) if layout == ROWS else out
+        return restored(np.frombuffer(data, np.uint8), array.dtype, array.shape, layout)
 
     def unpack_zstd(blob: bytes, array: np.ndarray) -> np.ndarray:
         return undo(zstd.decompress(blob, decompressed_size=array.nbytes), array)

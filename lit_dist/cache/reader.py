@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lit_dist.cache.keys import _combine
-from lit_dist.cache.shards import CorruptEntry, decode, read_index
+from lit_dist.cache.shards import ENCODING_KEYS, CorruptEntry, decode, read_index
 
 MISSING = -1
 
@@ -109,7 +109,7 @@ class FieldIndex:
             np.where(ok, self.offset[entry], 0).astype(np.uint32),
             np.where(ok, self.length[entry], 0).astype(np.uint32),
             np.where(ok, self.crc[entry], 0).astype(np.uint32),
-            [{k: s[k] for k in ("values", "layout") if k in s} for s in self.shards],
+            [{k: s[k] for k in ENCODING_KEYS if k in s} for s in self.shards],
         )
 
 

@@ -48,6 +48,7 @@ def schema(dtype: str) -> pa.Schema:
 
 
 VALUES = "zstd"  # a shard's values: zstd frames where shorter than the array's bytes (module docstring)
+ENCODING_KEYS = ("values", "layout")  # of a manifest entry: how its shard stores values (ShardWriter.encoding)
 _ZSTD = pa.Codec("zstd")  # for decompressing: one-shot calls, no state kept between them
 
 
@@ -129,11 +130,22 @@ def _message(schema: pa.Schema, batch: pa.RecordBatch | None) -> bytes:
 ROWS = "rows"  # a shard's layout: uint8 arrays stored as row differences (difference_rows)
 
 
+def _as_rows(layout: str | None, dtype: np.dtype, ndim: int) -> bool:
+    """Whether a shard of ``layout`` stores such an array as row differences (images only)."""
+    return layout == ROWS and dtype == np.uint8 and ndim >= 2
+
+
 def stored(array: np.ndarray, layout: str | None):
     """The bytes a shard of ``layout`` stores for ``array`` (before compression)."""
-    if layout == ROWS and array.dtype == np.uint8 and array.ndim >= 2:
+    if _as_rows(layout, array.dtype, array.ndim):
         return difference_rows(array).reshape(-1).data
     return shuffle(array)
+
+
+def restored(raw: np.ndarray, dtype: np.dtype, shape: list[int], layout: str | None) -> np.ndarray:
+    """``stored`` undone: the array from the bytes (uint8, decompressed) a shard of ``layout`` stores."""
+    array = unshuffle(raw, dtype.itemsize).view(dtype).reshape(shape)
+    return sum_rows(array) if _as_rows(layout, dtype, array.ndim) else array
 
 
 def difference_rows(array: np.ndarray) -> np.ndarray:
@@ -213,17 +225,13 @@ def decode(data: bytes | memoryview, crc: int, dtype: str, encoding: dict | None
         batch = pa.ipc.read_record_batch(message, schema(dtype))
         shape = batch.column(2)[0].as_py()
         value = batch.column(3)[0].as_buffer()
-        itemsize = np.dtype(DTYPES[dtype]).itemsize
+        kind = np.dtype(DTYPES[dtype])
         if encoding.get("values") == VALUES:
-            size = math.prod(shape) * itemsize
+            size = math.prod(shape) * kind.itemsize
             if len(value) < size:
                 value = _ZSTD.decompress(value, decompressed_size=size)
             elif len(value) > size:
                 raise CorruptEntry(f"{len(value)} bytes for an array of {size}")
-        raw = np.frombuffer(value, dtype=np.uint8)
-        array = unshuffle(raw, itemsize).view(DTYPES[dtype]).reshape(shape)
-        if encoding.get("layout") == ROWS and array.dtype == np.uint8 and array.ndim >= 2:
-            return sum_rows(array)
-        return array
+        return restored(np.frombuffer(value, dtype=np.uint8), kind, shape, encoding.get("layout"))
     except (pa.ArrowException, ValueError) as exc:
         raise CorruptEntry(str(exc)) from exc
