@@ -195,15 +195,16 @@ def photo_latents(table: str, cache_dir: str, count: int = 100) -> list[np.ndarr
     return entries(cache_dir, "encoder", count)
 
 
-def bench_compression(arrays: list[np.ndarray], level: int = 3, layout: str | None = None) -> dict:
-    """zstd on the bytes as the cache stores them (images as row differences, multi-byte dtypes byte-shuffled)
-    vs gzip on the plain bytes (what gzipping each file stores); also zstd on the plain bytes and gzip on the
+def bench_compression(arrays: list[np.ndarray], layout: str | None = None) -> dict:
+    """zstd at data.cache's default level on the bytes as the cache stores them (images as row differences if
+    ``layout`` says so, multi-byte dtypes byte-shuffled) vs gzip on the plain bytes (what gzipping each file stores); also zstd on the plain bytes and gzip on the
     stored bytes, to separate codec and layout. Decompression times include undoing the layout, as a reader does."""
     import pyarrow as pa
 
+    from lit_dist.cache.config import CacheConfig
     from lit_dist.cache.shards import restored, stored
 
-    zstd = pa.Codec("zstd", compression_level=level)
+    zstd = pa.Codec("zstd", compression_level=CacheConfig.compression_level)
     payloads = [a.tobytes() for a in arrays]
     raw = sum(len(p) for p in payloads)
     plain_zstd = raw / sum(len(zstd.compress(p, asbytes=True)) for p in payloads)
@@ -321,13 +322,14 @@ def main() -> None:
               f"{latent['validation_images']} images, cache (bf16) {accs['cache']}, on the fly {accs['on_the_fly']}: "
               f"means {latent['acc_points']:+.2f} points apart, fp32 cache {latent['acc_points_fp32']:+.2f} (target "
               f"within 1); all seeds span {latent['seed_spread_points']:.2f} points")
+    from lit_dist.cache.config import CacheConfig
     from lit_dist.cache.shards import ROWS
 
     pixels = entries(os.path.join(tmp, "pixels"), "pixels", 200)
     results = {"pixels": bench_compression(pixels), "pixels as row differences": bench_compression(pixels, layout=ROWS),
                "latents": bench_compression(photo_latents(table, os.path.join(tmp, "photo-latents")))}
     for name, r in results.items():
-        print(f"4. compression, {name}: zstd as stored {r['zstd_ratio']:.2f}x at {r['zstd_decompress_MBps']:.0f} MB/s "
+        print(f"4. compression, {name}: zstd-{CacheConfig.compression_level} as stored {r['zstd_ratio']:.2f}x at {r['zstd_decompress_MBps']:.0f} MB/s "
               f"(on the plain bytes {r['zstd_plain_ratio']:.2f}x), gzip {r['gzip_ratio']:.2f}x at "
               f"{r['gzip_decompress_MBps']:.0f} MB/s: decompression {r['decompress_speedup']:.1f}x faster "
               f"(targets: ratio >= gzip's, >= 3x); gzip on the stored bytes {r['gzip_stored_ratio']:.2f}x, "

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from lit_dist.cache.plan import CachePlan
-from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import new_build_id
 from lit_dist.data.workers import STOP_SIGNALS, Start, context, ignore_stop_signals
 from lit_dist.distributed import Comm
@@ -224,15 +223,10 @@ class _Builder:
         self.plan, self.device, self.outcome, self.rank = plan, device, outcome, rank
         self.build = new_build_id()
         self.written: dict[str, list[dict]] = {name: [] for name in plan.fields}
-        self.writers = {name: self._writer(name) for name in plan.fields}
+        self.writers = {name: self.plan.writer(name) for name in plan.fields}
         self.encoder = plan.encoder.to(device) if plan.encoder is not None else None
         self.captioner = plan.caption_encoder.to(device) if plan.caption_encoder is not None else None
         self.caption_shape = None
-
-    def _writer(self, name: str) -> ShardWriter:
-        cfg = self.plan.config
-        return ShardWriter(self.plan.dtype(name), cfg.compression, cfg.compression_level, cfg.min_savings,
-                           cfg.row_differences)
 
     def add(self, d: int, rows: np.ndarray, lacking: dict, size: tuple[int, int], images: list, unreadable) -> None:
         from lit_dist.data.dataset import centre_crop
@@ -287,7 +281,7 @@ class _Builder:
         self.outcome["bytes"] += len(data)
         self.outcome["raw_bytes"] += raw
         self.outcome["shards"] += 1
-        self.writers[name] = self._writer(name)
+        self.writers[name] = self.plan.writer(name)
 
 
 def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, outcome: dict, rank: int,

@@ -69,7 +69,7 @@ class OnDemandFill:
         self.comm: Comm | None = None
         self.build = new_build_id()
         self.written: dict[str, list[dict]] = {name: [] for name in plan.fields}
-        self.writers = {name: self._writer(name) for name in plan.fields}
+        self.writers = {name: self.plan.writer(name) for name in plan.fields}
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lit-dist-cache-fill")
         self.pending = []
@@ -77,11 +77,6 @@ class OnDemandFill:
         self.encoder = plan.encoder
         self.made = 0
         self.connected = False
-
-    def _writer(self, name: str) -> ShardWriter:
-        cfg = self.plan.config
-        return ShardWriter(self.plan.dtype(name), cfg.compression, cfg.compression_level, cfg.min_savings,
-                           cfg.row_differences)
 
     # -- batches (training process) ---------------------------------------------------------
 
@@ -121,7 +116,7 @@ class OnDemandFill:
                 self._submit(name)
 
     def _submit(self, name: str) -> None:
-        writer, self.writers[name] = self.writers[name], self._writer(name)
+        writer, self.writers[name] = self.writers[name], self.plan.writer(name)
         if len(writer):
             self.pending.append(self.pool.submit(self._write, name, writer))
 

@@ -14,6 +14,7 @@ import torch
 from lit_dist.cache import keys
 from lit_dist.cache.config import CacheConfig
 from lit_dist.cache.reader import Coverage, FieldIndex
+from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import CacheStore
 from lit_dist.errors import DataError
 
@@ -80,6 +81,11 @@ class CachePlan:
 
     def dtype(self, name: str) -> str:
         return STORED_DTYPE.get(name, self.config.encoder_dtype)
+
+    def writer(self, name: str) -> ShardWriter:
+        """A shard writer for field ``name`` as data.cache configures it (builds and ondemand alike)."""
+        cfg = self.config
+        return ShardWriter(self.dtype(name), cfg.compression, cfg.compression_level, cfg.min_savings, cfg.row_differences)
 
     def batch_key(self, name: str) -> str:
         """The batch key a field's arrays travel under ("pixels" become the `image` crop)."""

@@ -33,6 +33,8 @@ import zlib
 import numpy as np
 import pyarrow as pa
 
+from lit_dist.cache.config import CacheConfig
+
 DTYPES = {"uint8": np.uint8, "bf16": np.uint16, "fp16": np.float16, "fp32": np.float32}  # bf16: stored as raw 16-bit
 INDEX_SCHEMA = pa.schema([("sample", pa.uint64()), ("key", pa.uint64()), ("offset", pa.uint32()),
                           ("length", pa.uint32()), ("crc32", pa.uint32())])
@@ -61,8 +63,9 @@ class ShardWriter:
     all, the array is a view of the mapped shard).
     """
 
-    def __init__(self, dtype: str, compression: str = "zstd", level: int = 3, min_savings: float = 0.1,
-                 row_differences: bool = False):
+    def __init__(self, dtype: str, compression: str = CacheConfig.compression,
+                 level: int = CacheConfig.compression_level, min_savings: float = CacheConfig.min_savings,
+                 row_differences: bool = CacheConfig.row_differences):
         self.dtype = dtype
         # Images (uint8, rows first) as row differences, if asked: zstd compresses photos' to about half, where
         # their plain bytes hardly compress (1.82x against 1.11x, benchmarks/bench_cache.py); reading costs more.
