@@ -38,8 +38,8 @@ class CacheConfig:
         caption_key: Batch key of the caption encoder outputs, (B, ...), float32 on the device.
         encoder_batch_size: Images per encoder call while building; default: data.batch_size_per_device.
         compression: zstd or none; compressed per sample, so reading one sample reads its bytes only.
-        compression_level: zstd level (1 fast .. 19 small); 1, Arrow's default: photos' row differences read 1.4x
-            faster than at zstd's own default 3 for 0.5 % more bytes, encoder outputs 2.5 % larger.
+        compression_level: zstd level (1 fast .. 19 small); at 1, Arrow's default, photos read 1.25-1.4x faster
+            than at zstd's own default 3 for 0.5-3.5 % more bytes (encoder outputs: 2.5 % more).
         min_savings: A sample is stored uncompressed when zstd saves less than this share of its bytes
             (photos' pixels often: reading them is then a copy instead of a decompression).
         row_differences: Store pixels as row differences (PNG's Up filter): photos' pixels about 1.6x smaller than
