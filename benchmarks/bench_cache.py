@@ -197,8 +197,9 @@ def photo_latents(table: str, cache_dir: str, count: int = 100) -> list[np.ndarr
 
 def bench_compression(arrays: list[np.ndarray], layout: str | None = None) -> dict:
     """zstd at data.cache's default level on the bytes as the cache stores them (images as row differences if
-    ``layout`` says so, multi-byte dtypes byte-shuffled) vs gzip on the plain bytes (what gzipping each file stores); also zstd on the plain bytes and gzip on the
-    stored bytes, to separate codec and layout. Decompression times include undoing the layout, as a reader does."""
+    ``layout`` says so, multi-byte dtypes byte-shuffled) vs gzip on the plain bytes (what gzipping each file
+    stores); also zstd on the plain bytes and gzip on the stored bytes, to separate codec and layout.
+    Decompression times include undoing the layout, as a reader does."""
     import pyarrow as pa
 
     from lit_dist.cache.config import CacheConfig
@@ -329,9 +330,9 @@ def main() -> None:
     results = {"pixels": bench_compression(pixels), "pixels as row differences": bench_compression(pixels, layout=ROWS),
                "latents": bench_compression(photo_latents(table, os.path.join(tmp, "photo-latents")))}
     for name, r in results.items():
-        print(f"4. compression, {name}: zstd-{CacheConfig.compression_level} as stored {r['zstd_ratio']:.2f}x at {r['zstd_decompress_MBps']:.0f} MB/s "
-              f"(on the plain bytes {r['zstd_plain_ratio']:.2f}x), gzip {r['gzip_ratio']:.2f}x at "
-              f"{r['gzip_decompress_MBps']:.0f} MB/s: decompression {r['decompress_speedup']:.1f}x faster "
+        print(f"4. compression, {name}: zstd-{CacheConfig.compression_level} as stored {r['zstd_ratio']:.2f}x at "
+              f"{r['zstd_decompress_MBps']:.0f} MB/s (on the plain bytes {r['zstd_plain_ratio']:.2f}x), "
+              f"gzip {r['gzip_ratio']:.2f}x at {r['gzip_decompress_MBps']:.0f} MB/s: decompression {r['decompress_speedup']:.1f}x faster "
               f"(targets: ratio >= gzip's, >= 3x); gzip on the stored bytes {r['gzip_stored_ratio']:.2f}x, "
               f"zstd decompresses them {r['codec_speedup']:.1f}x faster")
     s3 = bench_s3(table, tmp)
