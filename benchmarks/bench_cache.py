@@ -199,7 +199,9 @@ def bench_compression(arrays: list[np.ndarray], layout: str | None = None) -> di
     """zstd at data.cache's default level on the bytes as the cache stores them (images as row differences if
     ``layout`` says so, multi-byte dtypes byte-shuffled) vs gzip on the plain bytes (what gzipping each file
     stores); also zstd on the plain bytes and gzip on the stored bytes, to separate codec and layout.
-    Decompression times include undoing the layout, as a reader does."""
+    zstd's decompression times include undoing the layout into the decompressed buffer, as a reader does;
+    gzip's include making its bytes (Python's gzip.decompress, as a reader of gzipped files does). The codec
+    speedup compares the two decompressions alone, on the same stored bytes."""
     import pyarrow as pa
 
     from lit_dist.cache.config import CacheConfig
@@ -214,17 +216,16 @@ def bench_compression(arrays: list[np.ndarray], layout: str | None = None) -> di
     g = [gzip.compress(p) for p in payloads]  # Python's default level, 9
     g_stored = [gzip.compress(s) for s in as_stored]
 
-    def undo(data: bytes, array: np.ndarray) -> np.ndarray:
-        return restored(np.frombuffer(data, np.uint8), array.dtype, array.shape, layout)
-
     def unpack_zstd(blob: bytes, array: np.ndarray) -> np.ndarray:
-        return undo(zstd.decompress(blob, decompressed_size=array.nbytes), array)
+        data = zstd.decompress(blob, decompressed_size=array.nbytes)
+        return restored(np.frombuffer(data, np.uint8), array.dtype, array.shape, layout, in_place=True)
 
     for blob, array in zip(z[:3], arrays[:3], strict=False):
         assert np.array_equal(unpack_zstd(blob, array), array), "the stored layout must round-trip"
     timings = {}
     for name, blobs, unpack in (("zstd", z, unpack_zstd), ("gzip", g, lambda b, a: gzip.decompress(b)),
-                                ("gzip_stored", g_stored, lambda b, a: undo(gzip.decompress(b), a))):
+                                ("zstd_codec", z, lambda b, a: zstd.decompress(b, decompressed_size=a.nbytes)),
+                                ("gzip_stored", g_stored, lambda b, a: gzip.decompress(b))):
         best = float("inf")
         for _ in range(3):
             started = time.perf_counter()
@@ -235,7 +236,7 @@ def bench_compression(arrays: list[np.ndarray], layout: str | None = None) -> di
     return {"zstd_ratio": raw / sum(map(len, z)), "gzip_ratio": raw / sum(map(len, g)), "zstd_plain_ratio": plain_zstd,
             "zstd_decompress_MBps": raw / timings["zstd"] / 1e6, "gzip_decompress_MBps": raw / timings["gzip"] / 1e6,
             "decompress_speedup": timings["gzip"] / timings["zstd"],
-            "gzip_stored_ratio": raw / sum(map(len, g_stored)), "codec_speedup": timings["gzip_stored"] / timings["zstd"]}
+            "gzip_stored_ratio": raw / sum(map(len, g_stored)), "codec_speedup": timings["gzip_stored"] / timings["zstd_codec"]}
 
 
 def bench_s3(table: str, tmp: str) -> dict:
@@ -334,7 +335,7 @@ def main() -> None:
               f"{r['zstd_decompress_MBps']:.0f} MB/s (on the plain bytes {r['zstd_plain_ratio']:.2f}x), "
               f"gzip {r['gzip_ratio']:.2f}x at {r['gzip_decompress_MBps']:.0f} MB/s: decompression "
               f"{r['decompress_speedup']:.1f}x faster (targets: ratio >= gzip's, >= 3x); gzip on the stored bytes {r['gzip_stored_ratio']:.2f}x, "
-              f"zstd decompresses them {r['codec_speedup']:.1f}x faster")
+              f"zstd alone decompresses them {r['codec_speedup']:.1f}x faster than gzip")
     s3 = bench_s3(table, tmp)
     print(f"5. S3: {s3['requests_per_sample']:.2f} requests per sample read (ranged GETs: {s3['all_ranged_gets']}), "
           f"{s3['ms_per_sample']:.1f} ms each on the local server (target 1)")

@@ -328,6 +328,7 @@ def test_summing_rows_undoes_row_differences_for_any_shape(shape):
     back = sum_rows(differences)
     assert back.shape == image.shape and np.array_equal(back, image)
     assert np.array_equal(differences, difference_rows(image)), "the input is left as it was"
+    assert sum_rows(differences, out=differences) is differences and np.array_equal(differences, image), "in place"
 
 
 def test_bad_cache_configs_are_named_together(tmp_path, data):
