@@ -70,6 +70,12 @@ class HashingWriter:
 
     _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-sha256")
 
+    @classmethod
+    def _after_fork(cls) -> None:
+        # A forked child has the parent's pool but not its thread: a hash handed to it would never run, and
+        # the child's first large write would wait for it forever. A new pool starts its thread when used.
+        cls._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-sha256")
+
     def __init__(self, file: BinaryIO, fd: int | None = None):
         self.file, self.fd = file, fd
         self.sha = hashlib.sha256()
@@ -98,6 +104,9 @@ class HashingWriter:
 
     def entry(self) -> FileEntry:
         return FileEntry(self.size, self.sha.hexdigest())
+
+
+os.register_at_fork(after_in_child=HashingWriter._after_fork)
 
 
 def fsync_dir(path: str) -> None:

@@ -157,6 +157,26 @@ def test_an_interrupted_write_leaves_nothing_at_the_final_path(tmp_path):
     assert os.listdir(tmp_path) == ["state.ckpt"]
 
 
+def _write_large_file(path: str) -> None:
+    fs, path = filesystem(path)
+    data = os.urandom(4 << 20)  # large enough to be hashed on the helper thread
+    assert write_atomically(fs, path, lambda f: f.write(data)).sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_a_forked_child_writes_large_files_after_its_parent_did(tmp_path):
+    """The parent's hashing thread does not survive a fork; the child gets a pool of its own, not a hang."""
+    import multiprocessing
+
+    _write_large_file(str(tmp_path / "parent.bin"))  # the parent's hashing thread is running now
+    child = multiprocessing.get_context("fork").Process(target=_write_large_file, args=(str(tmp_path / "child.bin"),))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0, "the forked child never finished its write"
+    assert (tmp_path / "child.bin").stat().st_size == 4 << 20
+
+
 def test_asynchronous_saves_write_the_same_checkpoints(tmp_path, demo_data):
     _, sync = train(tmp_path / "sync", demo_data, max_steps=9, every_n_steps=3)
     _, background = train(tmp_path / "async", demo_data, max_steps=9, every_n_steps=3, async_save=True)
