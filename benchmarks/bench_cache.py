@@ -19,6 +19,10 @@
    1 M entries (index files only). Target <= 32.
 
     .venv/bin/python -m benchmarks.bench_cache [--images 600] [--workers 2] [--epochs 15] [--skip-latent]
+                                               [--photos DIR]
+
+``--photos DIR`` adds part 4 on the images of DIR (your own photos), resized to cover 256 on their
+short side as the pixel cache stores them; reported, not checked.
 """
 
 import argparse
@@ -195,6 +199,25 @@ def photo_latents(table: str, cache_dir: str, count: int = 100) -> list[np.ndarr
     return entries(cache_dir, "encoder", count)
 
 
+def folder_pixels(folder: str) -> list[np.ndarray]:
+    """The images of ``folder`` as a pixel cache stores them at RESOLUTION: resized to cover it (short side)."""
+    from PIL import Image
+
+    arrays = []
+    for name in sorted(os.listdir(folder)):
+        try:
+            with Image.open(os.path.join(folder, name)) as img:
+                img = img.convert("RGB")
+        except OSError:
+            continue  # not an image
+        scale = RESOLUTION / min(img.size)
+        size = (max(RESOLUTION, round(img.width * scale)), max(RESOLUTION, round(img.height * scale)))
+        arrays.append(np.asarray(img.resize(size, Image.BILINEAR)))
+    if not arrays:
+        raise SystemExit(f"--photos {folder}: no images there")
+    return arrays
+
+
 def bench_compression(arrays: list[np.ndarray], layout: str | None = None) -> dict:
     """zstd at data.cache's default level on the bytes as the cache stores them (images as row differences if
     ``layout`` says so, multi-byte dtypes byte-shuffled) vs gzip on the plain bytes (what gzipping each file
@@ -304,6 +327,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--seeds", type=int, default=2, help="latent runs per arm, for the accuracy means")
     parser.add_argument("--skip-latent", action="store_true", help="skip the latent runs (about 10 minutes)")
+    parser.add_argument("--photos", help="a folder of your own photos: part 4 on them too (reported, not checked)")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-cache-")
     table = make_photos(os.path.join(tmp, "photos"), args.images)
@@ -330,7 +354,12 @@ def main() -> None:
     pixels = entries(os.path.join(tmp, "pixels"), "pixels", 200)
     results = {"pixels": bench_compression(pixels), "pixels as row differences": bench_compression(pixels, layout=ROWS),
                "latents": bench_compression(photo_latents(table, os.path.join(tmp, "photo-latents")))}
-    for name, r in results.items():
+    photos = {}
+    if args.photos:
+        arrays = folder_pixels(args.photos)
+        photos = {f"{len(arrays)} photos of {args.photos}": bench_compression(arrays),
+                  f"{len(arrays)} photos of {args.photos} as row differences": bench_compression(arrays, layout=ROWS)}
+    for name, r in {**results, **photos}.items():
         print(f"4. compression, {name}: zstd-{CacheConfig.compression_level} as stored {r['zstd_ratio']:.2f}x at "
               f"{r['zstd_decompress_MBps']:.0f} MB/s (on the plain bytes {r['zstd_plain_ratio']:.2f}x), "
               f"gzip {r['gzip_ratio']:.2f}x at {r['gzip_decompress_MBps']:.0f} MB/s: decompression "
@@ -355,7 +384,7 @@ def main() -> None:
     result_line("cache", round(loader["ratio"], 2), ">= 8", all(checks.values()), checks=checks,
                 build_ratio=round(build["ratio"], 2), latent_ratio=None if latent is None else round(latent["ratio"], 2),
                 latent_acc_points=None if latent is None else round(latent["acc_points"], 2),
-                compression={k: {m: round(v, 2) for m, v in r.items()} for k, r in results.items()},
+                compression={k: {m: round(v, 2) for m, v in r.items()} for k, r in {**results, **photos}.items()},
                 s3_requests_per_sample=s3["requests_per_sample"], bytes_per_sample=round(memory["bytes_per_sample"], 1),
                 machine=machine())
 

@@ -42,8 +42,9 @@ class CacheConfig:
             than at zstd's own default 3 for 0.5-3.5 % more bytes (encoder outputs: 2.5 % more).
         min_savings: A sample is stored uncompressed when zstd saves less than this share of its bytes
             (photos' pixels often: reading them is then a copy instead of a decompression).
-        row_differences: Store pixels as row differences (PNG's Up filter): photos' pixels about 1.6x smaller than
-            gzip stores them, but reading one takes a decompression and a cumulative sum instead of a copy.
+        row_differences: Store pixels as row differences (PNG's Up filter): photos' pixels 1.3-1.6x smaller than
+            gzip stores them, but reading one takes a decompression and a running sum instead of a copy (the
+            loader reads about half as many per second).
         shard_size_mb: Target size of one shard file in MB (many samples per file; at most 4000).
         threads: Read cached batches with data.num_workers threads of the training process instead of worker
             processes (no copy through shared memory); not while mode ondemand still decodes images.
