@@ -25,9 +25,11 @@ def s3_endpoint():
     deadline = time.monotonic() + 30
     while True:
         try:
-            requests.get(url, timeout=1)
+            # moto loads its backends on the first request: several seconds on a busy machine (a read timeout,
+            # not a refused connection, so both mean "not ready yet").
+            requests.get(url, timeout=(1, 10))
             break
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 raise RuntimeError("the moto S3 server did not start (is moto[server] installed? bash .ci/setup)") from None

@@ -331,6 +331,14 @@ def test_summing_rows_undoes_row_differences_for_any_shape(shape):
     assert sum_rows(differences, out=differences) is differences and np.array_equal(differences, image), "in place"
 
 
+def test_restoring_in_place_falls_back_to_a_copy_for_read_only_bytes():
+    from lit_dist.cache.shards import ROWS, difference_rows, restored
+
+    image = np.random.default_rng(3).integers(0, 256, (9, 7, 3), dtype=np.uint8)
+    raw = np.frombuffer(difference_rows(image).tobytes(), np.uint8)  # read-only, as a buffer we do not own
+    assert np.array_equal(restored(raw, np.dtype(np.uint8), list(image.shape), ROWS, in_place=True), image)
+
+
 def test_bad_cache_configs_are_named_together(tmp_path, data):
     bad = CacheConfig(dir=str(tmp_path), pixels=False, encoder=None, compression_level=40, shard_size_mb=9000)
     with pytest.raises(ConfigError, match=r"(?s)3 problems.*caches nothing.*compression_level = 40.*shard_size_mb = 9000"):
