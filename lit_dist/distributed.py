@@ -37,7 +37,15 @@ def run_on_every_rank(trainer, function):
 
     def on_rank():
         strategy.setup_environment()  # device, and the process group for multi-process strategies
-        return function()
+        try:
+            result = function()
+            Comm.current().barrier()  # no rank tears down its connections while another still uses them
+            return result
+        finally:
+            # Left to the interpreter's exit, gloo's threads are torn down during finalization and a rank can
+            # abort ("terminate called without an active exception", pytorch/pytorch#190489) after all its work.
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
     launcher = strategy.launcher
     return launcher.launch(on_rank, trainer=trainer) if launcher is not None else on_rank()
