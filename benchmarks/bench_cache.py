@@ -359,7 +359,8 @@ def main() -> None:
         arrays = folder_pixels(args.photos)
         photos = {f"{len(arrays)} photos of {args.photos}": bench_compression(arrays),
                   f"{len(arrays)} photos of {args.photos} as row differences": bench_compression(arrays, layout=ROWS)}
-    for name, r in {**results, **photos}.items():
+    reported = {**results, **photos}  # the checks below are on the benchmark's own data only
+    for name, r in reported.items():
         print(f"4. compression, {name}: zstd-{CacheConfig.compression_level} as stored {r['zstd_ratio']:.2f}x at "
               f"{r['zstd_decompress_MBps']:.0f} MB/s (on the plain bytes {r['zstd_plain_ratio']:.2f}x), "
               f"gzip {r['gzip_ratio']:.2f}x at {r['gzip_decompress_MBps']:.0f} MB/s: decompression "
@@ -384,7 +385,7 @@ def main() -> None:
     result_line("cache", round(loader["ratio"], 2), ">= 8", all(checks.values()), checks=checks,
                 build_ratio=round(build["ratio"], 2), latent_ratio=None if latent is None else round(latent["ratio"], 2),
                 latent_acc_points=None if latent is None else round(latent["acc_points"], 2),
-                compression={k: {m: round(v, 2) for m, v in r.items()} for k, r in {**results, **photos}.items()},
+                compression={k: {m: round(v, 2) for m, v in r.items()} for k, r in reported.items()},
                 s3_requests_per_sample=s3["requests_per_sample"], bytes_per_sample=round(memory["bytes_per_sample"], 1),
                 machine=machine())
 

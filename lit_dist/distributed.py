@@ -37,15 +37,8 @@ def run_on_every_rank(trainer, function):
 
     def on_rank():
         strategy.setup_environment()  # device, and the process group for multi-process strategies
-        try:
-            result = function()
-            Comm.current().barrier()  # no rank tears down its connections while another still uses them
-            return result
-        finally:
-            # Left to the interpreter's exit, gloo's threads are torn down during finalization and a rank can
-            # abort ("terminate called without an active exception", pytorch/pytorch#190489) after all its work.
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+        with _group_left_at_end():
+            return function()
 
     launcher = strategy.launcher
     return launcher.launch(on_rank, trainer=trainer) if launcher is not None else on_rank()
@@ -157,7 +150,24 @@ def launched_group(timeout_s: float = 1800) -> Iterator[Comm]:
     dist = torch.distributed
     dist.init_process_group("gloo", init_method=f"tcp://{env.main_address}:{env.main_port}", rank=env.global_rank(),
                             world_size=env.world_size(), timeout=timedelta(seconds=timeout_s))
-    try:
+    with _group_left_at_end():
         yield Comm.current()
+
+
+@contextmanager
+def _group_left_at_end() -> Iterator[None]:
+    """Every rank leaves the default process group itself at the end, after the others are done (a barrier) unless
+    the body failed. Left to the interpreter's exit, gloo's threads are torn down during finalization and a rank can
+    abort after all its work ("terminate called without an active exception", pytorch/pytorch#190489)."""
+    finished = False
+    try:
+        yield
+        finished = True
     finally:
-        dist.destroy_process_group()
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            try:
+                if finished:
+                    Comm.current().barrier()  # no rank closes its connections while another still uses them
+            finally:
+                dist.destroy_process_group()

@@ -68,13 +68,17 @@ class HashingWriter:
     writing the pages out, so that the final fsync finds little left to do.
     """
 
-    _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-sha256")
+    @staticmethod
+    def _new_pool() -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-sha256")  # its thread starts when used
+
+    _pool = _new_pool()
 
     @classmethod
     def _after_fork(cls) -> None:
         # A forked child has the parent's pool but not its thread: a hash handed to it would never run, and
-        # the child's first large write would wait for it forever. A new pool starts its thread when used.
-        cls._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-sha256")
+        # the child's first large write would wait for it forever.
+        cls._pool = cls._new_pool()
 
     def __init__(self, file: BinaryIO, fd: int | None = None):
         self.file, self.fd = file, fd
