@@ -12,8 +12,9 @@
 4. compression: zstd (per sample, as the cache stores it) vs gzip (Python's gzip.compress at its
    default level 9, per sample: SimpleTuner's --compress_disk_cache gzips each file) on the same
    cached pixels and on VAE latents of the photos at 256^2 (4 x 128 x 128 bf16, the size of SD
-   latents of a 1024^2 image); pixels both as stored by default and as row differences
-   (data.cache.row_differences). Target: zstd's ratio at least gzip's, decompression >= 3x faster.
+   latents of a 1024^2 image); pixels as stored by default (data.cache.pixel_layout row_tree), and
+   reported beside them, stored plain and as row differences (rows). Target: zstd's ratio at least
+   gzip's, decompression >= 3x faster.
 5. S3: requests to read one sample from a shard on the local S3 server. Target 1.
 6. memory: bytes a run keeps per sample for a pixel + encoder cache, from a synthetic cache of
    1 M entries (index files only). Target <= 32.
@@ -219,10 +220,10 @@ def folder_pixels(folder: str) -> list[np.ndarray]:
 
 
 def bench_compression(arrays: list[np.ndarray], layout: str | None = None) -> dict:
-    """zstd at data.cache's default level on the bytes as the cache stores them (images as row differences if
-    ``layout`` says so, multi-byte dtypes byte-shuffled) vs gzip on the plain bytes (what gzipping each file
-    stores); also zstd on the plain bytes and gzip on the stored bytes, to separate codec and layout.
-    zstd's decompression times include undoing the layout into the decompressed buffer, as a reader does;
+    """zstd at data.cache's default level on the bytes as the cache stores them (images in ``layout``,
+    data.cache.pixel_layout's default if None; multi-byte dtypes byte-shuffled) vs gzip on the plain bytes (what
+    gzipping each file stores); also zstd on the plain bytes and gzip on the stored bytes, to separate codec and
+    layout. zstd's decompression times include undoing the layout into the decompressed buffer, as a reader does;
     gzip's include making its bytes (Python's gzip.decompress, as a reader of gzipped files does). The codec
     speedup compares the two decompressions alone, on the same stored bytes."""
     import pyarrow as pa
@@ -231,6 +232,7 @@ def bench_compression(arrays: list[np.ndarray], layout: str | None = None) -> di
     from lit_dist.cache.shards import restored, stored
 
     zstd = pa.Codec("zstd", compression_level=CacheConfig.compression_level)
+    layout = layout or CacheConfig.pixel_layout
     payloads = [a.tobytes() for a in arrays]
     raw = sum(len(p) for p in payloads)
     plain_zstd = raw / sum(len(zstd.compress(p, asbytes=True)) for p in payloads)
@@ -349,17 +351,21 @@ def main() -> None:
               f"means {latent['acc_points']:+.2f} points apart, fp32 cache {latent['acc_points_fp32']:+.2f} (target "
               f"within 1); all seeds span {latent['seed_spread_points']:.2f} points")
     from lit_dist.cache.config import CacheConfig
-    from lit_dist.cache.shards import ROWS
+    from lit_dist.cache.shards import PLAIN, ROWS
 
-    pixels = entries(os.path.join(tmp, "pixels"), "pixels", 200)
-    results = {"pixels": bench_compression(pixels), "pixels as row differences": bench_compression(pixels, layout=ROWS),
-               "latents": bench_compression(photo_latents(table, os.path.join(tmp, "photo-latents")))}
-    photos = {}
+    def pixel_layouts(name: str, arrays: list[np.ndarray]) -> tuple[dict, dict]:
+        """(the default layout's results, the other layouts' results)."""
+        return ({f"{name} ({CacheConfig.pixel_layout})": bench_compression(arrays)},
+                {f"{name} stored plain": bench_compression(arrays, PLAIN),
+                 f"{name} as row differences (rows)": bench_compression(arrays, ROWS)})
+
+    results, others = pixel_layouts("pixels", entries(os.path.join(tmp, "pixels"), "pixels", 200))
+    results["latents"] = bench_compression(photo_latents(table, os.path.join(tmp, "photo-latents")))
     if args.photos:
         arrays = folder_pixels(args.photos)
-        photos = {f"{len(arrays)} photos of {args.photos}": bench_compression(arrays),
-                  f"{len(arrays)} photos of {args.photos} as row differences": bench_compression(arrays, layout=ROWS)}
-    reported = {**results, **photos}  # the checks below are on the benchmark's own data only
+        for part in pixel_layouts(f"{len(arrays)} photos of {args.photos}", arrays):
+            others.update(part)
+    reported = {**results, **others}  # the checks below are on the benchmark's own data, stored by default
     for name, r in reported.items():
         print(f"4. compression, {name}: zstd-{CacheConfig.compression_level} as stored {r['zstd_ratio']:.2f}x at "
               f"{r['zstd_decompress_MBps']:.0f} MB/s (on the plain bytes {r['zstd_plain_ratio']:.2f}x), "

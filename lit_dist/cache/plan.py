@@ -85,7 +85,7 @@ class CachePlan:
     def writer(self, name: str) -> ShardWriter:
         """A shard writer for field ``name`` as data.cache configures it (builds and ondemand alike)."""
         cfg = self.config
-        return ShardWriter(self.dtype(name), cfg.compression, cfg.compression_level, cfg.min_savings, cfg.row_differences)
+        return ShardWriter(self.dtype(name), cfg.compression, cfg.compression_level, cfg.min_savings, cfg.pixel_layout)
 
     def batch_key(self, name: str) -> str:
         """The batch key a field's arrays travel under ("pixels" become the `image` crop)."""

@@ -26,8 +26,9 @@ from lit_dist.ckpt.files import filesystem, hash_file, is_local, write_bytes_ato
 from lit_dist.errors import ConfigError, DataError
 
 # 2: shards whose manifest entries say how their values are stored ("values", "layout"; cache/shards.py),
-# which a reader of format 1 would take for damaged entries. Caches of format 1 read as they always did.
-FORMAT = 2
+# which a reader of format 1 would take for damaged entries. 3: the "row_tree" layout, whose entries a
+# reader of format 2 would serve as pixels. Caches of older formats read as they always did.
+FORMAT = 3
 MARKER = "CACHE.json"
 KIND = "lit-dist cache"
 

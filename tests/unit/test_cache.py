@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lit_dist.cache.config import CacheConfig
-from lit_dist.cache.shards import ShardWriter, decode, read_index
+from lit_dist.cache.shards import CorruptEntry, ShardWriter, decode, read_index
 from lit_dist.cache.store import CacheStore
 from lit_dist.commands.cache import check_cache
 from lit_dist.data.datamodule import BucketDataModule
@@ -64,12 +64,12 @@ def batches(dm: BucketDataModule, split: str = "train", count: int = 6) -> list[
     return out
 
 
-@pytest.mark.parametrize("row_differences", [False, True], ids=["as-is", "row-differences"])
-def test_cached_batches_equal_decoded_batches_bitwise(tmp_path, data, row_differences):
-    cached = module(data, cache_config(tmp_path, row_differences=row_differences))
+@pytest.mark.parametrize("layout", ["row_tree", "rows", "plain"])
+def test_cached_batches_equal_decoded_batches_bitwise(tmp_path, data, layout):
+    cached = module(data, cache_config(tmp_path, pixel_layout=layout))
     cached.setup("fit")
     layouts = {s.get("layout") for s in CacheStore(str(tmp_path / "cache")).manifest("pixels")["shards"]}
-    assert layouts == ({"rows"} if row_differences else {None})
+    assert layouts == ({None} if layout == "plain" else {layout})
     plain = module(data, None)
     plain.setup("fit")
     for split in ("train", "val"):
@@ -281,17 +281,17 @@ def test_shard_round_trip_and_compression_choice():
     assert np.array_equal(decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8", writer.encoding), noise)
 
 
-def test_images_stored_as_row_differences_round_trip_smaller_and_plain_shards_still_decode():
-    from lit_dist.cache.shards import ROWS
+def test_images_stored_as_differences_of_rows_round_trip_smaller_and_plain_shards_still_decode():
+    from lit_dist.cache.shards import PLAIN, ROW_TREE, ROWS
 
     rng = np.random.default_rng(0)
     # A photo-like image: smooth light across it and sensor-like noise on top, whose plain bytes hardly compress.
     light = np.linspace(0, 200, 96)[:, None, None] + np.linspace(0, 50, 128)[None, :, None]
     image = np.clip(light + rng.normal(0, 3, (96, 128, 3)), 0, 255).astype(np.uint8)
     sizes = {}
-    for layout in (ROWS, None):  # None: a shard from before row differences (its manifest entry has no layout)
-        writer = ShardWriter("uint8", "zstd", min_savings=0, row_differences=layout == ROWS)
-        assert writer.layout == layout
+    for layout in (ROW_TREE, ROWS, PLAIN):  # plain: as shards from before layouts (no layout in the manifest entry)
+        writer = ShardWriter("uint8", "zstd", min_savings=0, layout=layout)
+        assert writer.layout == (None if layout == PLAIN else layout)
         writer.add(0, 0, image)
         data, index = writer.finish()
         table = read_index(index)
@@ -299,8 +299,21 @@ def test_images_stored_as_row_differences_round_trip_smaller_and_plain_shards_st
         back = decode(data[at : at + n], table.column("crc32")[0].as_py(), "uint8", writer.encoding)
         assert back.dtype == np.uint8 and np.array_equal(back, image)
         sizes[layout] = n
-    assert sizes[ROWS] < 0.8 * sizes[None], sizes
-    assert ShardWriter("bf16", row_differences=True).layout is None, "only images are differenced"
+    assert sizes[ROWS] < sizes[ROW_TREE] < 0.8 * sizes[PLAIN], sizes
+    assert ShardWriter("bf16", layout=ROWS).layout is None, "only images are differenced"
+
+
+def test_an_entry_of_an_unknown_layout_is_corrupt_not_served_as_pixels():
+    image = np.arange(60, dtype=np.uint8).reshape(4, 5, 3)
+    writer = ShardWriter("uint8", "none", layout="plain")
+    writer.add(0, 0, image)
+    data, index = writer.finish()
+    table = read_index(index)
+    at, n = table.column("offset")[0].as_py(), table.column("length")[0].as_py()
+    entry, crc = data[at : at + n], table.column("crc32")[0].as_py()
+    assert np.array_equal(decode(entry, crc, "uint8", {"values": "zstd"}), image)
+    with pytest.raises(CorruptEntry, match="unknown layout 'zigzag'"):
+        decode(entry, crc, "uint8", {"values": "zstd", "layout": "zigzag"})
 
 
 def test_shards_written_before_values_carried_their_compression_still_decode():
@@ -319,29 +332,35 @@ def test_shards_written_before_values_carried_their_compression_still_decode():
     assert np.array_equal(decode(message, zlib.crc32(message), "uint8", {}), image)
 
 
-@pytest.mark.parametrize("shape", [(1, 5, 3), (2, 2), (17, 3, 3), (299, 224, 3), (4, 128, 128)])
-def test_summing_rows_undoes_row_differences_for_any_shape(shape):
-    from lit_dist.cache.shards import difference_rows, sum_rows
+@pytest.mark.parametrize("layout", ["row_tree", "rows"])
+@pytest.mark.parametrize("shape", [(1, 5, 3), (2, 2), (3, 4), (17, 3, 3), (299, 224, 3), (256, 341, 3), (4, 128, 128)])
+def test_undoing_differences_of_rows_gives_the_image_back_for_any_shape(shape, layout):
+    from lit_dist.cache.shards import _filter
 
+    difference, undo = _filter(layout, np.dtype(np.uint8), len(shape))
     image = np.random.default_rng(1).integers(0, 256, shape, dtype=np.uint8)
-    differences = difference_rows(image)
-    back = sum_rows(differences)
+    differences = difference(image)
+    assert shape[0] == 1 or not np.array_equal(differences, image)
+    back = undo(differences)
     assert back.shape == image.shape and np.array_equal(back, image)
-    assert np.array_equal(differences, difference_rows(image)), "the input is left as it was"
-    assert sum_rows(differences, out=differences) is differences and np.array_equal(differences, image), "in place"
+    assert np.array_equal(differences, difference(image)), "the input is left as it was"
+    assert undo(differences, out=differences) is differences and np.array_equal(differences, image), "in place"
 
 
-def test_restoring_in_place_falls_back_to_a_copy_for_read_only_bytes():
-    from lit_dist.cache.shards import ROWS, difference_rows, restored
+@pytest.mark.parametrize("layout", ["row_tree", "rows"])
+def test_restoring_in_place_falls_back_to_a_copy_for_read_only_bytes(layout):
+    from lit_dist.cache.shards import restored, stored
 
     image = np.random.default_rng(3).integers(0, 256, (9, 7, 3), dtype=np.uint8)
-    raw = np.frombuffer(difference_rows(image).tobytes(), np.uint8)  # read-only, as a buffer we do not own
-    assert np.array_equal(restored(raw, np.dtype(np.uint8), list(image.shape), ROWS, in_place=True), image)
+    raw = np.frombuffer(bytes(stored(image, layout)), np.uint8)  # read-only, as a buffer we do not own
+    assert np.array_equal(restored(raw, np.dtype(np.uint8), list(image.shape), layout, in_place=True), image)
 
 
 def test_bad_cache_configs_are_named_together(tmp_path, data):
-    bad = CacheConfig(dir=str(tmp_path), pixels=False, encoder=None, compression_level=40, shard_size_mb=9000)
-    with pytest.raises(ConfigError, match=r"(?s)3 problems.*caches nothing.*compression_level = 40.*shard_size_mb = 9000"):
+    bad = CacheConfig(dir=str(tmp_path), pixels=False, encoder=None, pixel_layout="png", compression_level=40,
+                      shard_size_mb=9000)
+    with pytest.raises(ConfigError, match=r"(?s)4 problems.*caches nothing.*pixel_layout = 'png': must be one of "
+                                          r"row_tree, rows, plain.*compression_level = 40.*shard_size_mb = 9000"):
         module(data, bad)
     with pytest.raises(ConfigError, match=r"data.cache.dir is not set"):
         module(data, CacheConfig(mode="read"))
