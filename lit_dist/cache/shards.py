@@ -175,10 +175,11 @@ def difference_row_tree(array: np.ndarray) -> np.ndarray:
     """Row r (r > 0) minus row r - lowbit(r), modulo 256, where lowbit(r) is r's lowest set bit: odd rows
     minus the row above, rows 2 mod 4 minus the row two above, rows 4 mod 8 minus the row four above, and so on;
     row 0 as it is. Half the rows are differenced from their neighbour, as in ``difference_rows``, the rest
-    from rows further up, so it compresses less (photos: 1.48-1.53x with zstd, against 1.74-1.87x and gzip's
+    from rows further up, so it compresses less (photos: 1.45-1.53x with zstd, against 1.74-1.87x and gzip's
     1.13-1.34x on the plain bytes), but ``sum_row_tree`` undoes it in log2(rows) vectorised adds, each over
-    whole rows, with no running sum: half the time of ``sum_rows``, and the loader reads such a cache 1.2x
-    as fast (benchmarks/bench_cache.py). The same predictor as the first lifting step of a Haar wavelet."""
+    whole rows, with no running sum: half the time of ``sum_rows``, and the train loader reads such a cache
+    1.2x as fast as one of row differences. These are the predict steps of a Haar wavelet's lifting scheme,
+    without its update steps."""
     out = array.copy()
     rows = len(array)
     for step in _tree_steps(rows):
