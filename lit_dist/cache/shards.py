@@ -68,8 +68,8 @@ class ShardWriter:
                  level: int = CacheConfig.compression_level, min_savings: float = CacheConfig.min_savings,
                  layout: str = CacheConfig.pixel_layout):
         self.dtype = dtype
-        # Images (uint8, rows first) as differences of rows: zstd compresses photos' plain bytes less than gzip
-        # does (1.11x against 1.13x, benchmarks/bench_cache.py), their row differences 1.3-1.6x better.
+        # Images (uint8, rows first) as differences of rows unless plain: zstd stores photos' plain bytes 1.11x
+        # (gzip 1.13x), their differences 1.45x (row_tree) and 1.82x (rows) (benchmarks/bench_cache.py).
         self.layout = layout if layout != PLAIN and dtype == "uint8" else None
         self.encoding = {"values": VALUES, **({"layout": self.layout} if self.layout else {})}  # its manifest entry's
         self.schema = schema(dtype)
