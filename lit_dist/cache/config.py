@@ -44,7 +44,7 @@ class CacheConfig:
         min_savings: A sample is stored uncompressed when zstd saves less than this share of its bytes
             (photos' pixels often: reading them is then a copy instead of a decompression).
         pixel_layout: How pixels are stored: row_tree (differences of rows along a binary tree: photos 1.1-1.3x
-            smaller than gzip stores them, read about 4x as fast as gzip's), rows (each row minus the one above: 1.3-1.6x
+            smaller than gzip stores them, read 3-4x as fast as gzip's), rows (each row minus the one above: 1.3-1.6x
             smaller than gzip's, the loader reads them at 0.8x row_tree's rate) or plain (as they are: about
             gzip's size, a copy to read).
         shard_size_mb: Target size of one shard file in MB (many samples per file; at most 4000).
