@@ -141,10 +141,9 @@ def _filter(layout: str | None, dtype: np.dtype, ndim: int):
     (layouts are for images: uint8, rows first)."""
     if layout in (None, PLAIN) or dtype != np.uint8 or ndim < 2:
         return None
-    filters = {ROWS: (difference_rows, sum_rows), ROW_TREE: (difference_row_tree, sum_row_tree)}
-    if layout not in filters:
+    if layout not in _FILTERS:
         raise ValueError(f"unknown layout {layout!r}")  # decode: a corrupt entry, never pixels served as they are
-    return filters[layout]
+    return _FILTERS[layout]
 
 
 def stored(array: np.ndarray, layout: str | None):
@@ -239,6 +238,9 @@ def sum_rows(array: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     for r in range(count * size, rows):  # the rows after the last whole block
         np.add(src[r], dst[r - 1], out=dst[r])
     return out
+
+
+_FILTERS = {ROWS: (difference_rows, sum_rows), ROW_TREE: (difference_row_tree, sum_row_tree)}  # layout: (do, undo)
 
 
 def shuffle(array: np.ndarray):
