@@ -165,9 +165,10 @@ def restored(raw: np.ndarray, dtype: np.dtype, shape: list[int], layout: str | N
     return image_filter[1](array, out=array if in_place and array.flags.writeable else None)
 
 
-def _tree_steps(rows: int) -> list[int]:
+@functools.cache
+def _tree_steps(rows: int) -> tuple[int, ...]:
     """The distances of ``difference_row_tree``: 1, 2, 4, ... below ``rows``."""
-    return [1 << k for k in range(max(rows - 1, 0).bit_length())]
+    return tuple(1 << k for k in range(max(rows - 1, 0).bit_length()))
 
 
 def difference_row_tree(array: np.ndarray) -> np.ndarray:

@@ -202,8 +202,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
         free_x, free_y = image.shape[1] - width, image.shape[0] - height
         if self.random_crop and (free_x or free_y):
             # From (seed, epoch, index) alone: a resumed run crops exactly as an uninterrupted one.
-            rng = np.random.default_rng([self.seed, epoch, index])
-            left, top = int(rng.integers(free_x + 1)), int(rng.integers(free_y + 1))
+            word = crop_hash(self.seed, epoch, index)
+            left, top = (word & 0xFFFFFFFF) % (free_x + 1), (word >> 32) % (free_y + 1)
             return image[top : top + height, left : left + width]  # (H, W, C)
         return centre_crop(image, width, height)
 
@@ -218,6 +218,22 @@ def _batch_buffer(shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
         storage = torch.UntypedStorage._new_shared(int(np.prod(shape)))
         tensor = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
     return tensor, tensor.numpy()
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def crop_hash(seed: int, epoch: int, index: int) -> int:
+    """64 well-mixed bits from (seed, epoch, index): splitmix64's finaliser over a combination of the three.
+
+    A generator per sample (``np.random.default_rng([seed, epoch, index])``, which hashes its seed through a
+    SeedSequence) cost 12-25 us a sample, a tenth of reading one from a cache; this costs under 1 us. The
+    offsets take 32 bits each modulo at most a few thousand positions: their bias is below 1e-6.
+    """
+    word = (seed * 0x9E3779B97F4A7C15 + epoch * 0xD1B54A32D192ED03 + index * 0xBF58476D1CE4E5B9) & _MASK64
+    word = ((word ^ (word >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    word = ((word ^ (word >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return word ^ (word >> 31)
 
 
 def centre_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:

@@ -54,6 +54,20 @@ def test_batches_are_uint8_bucket_sized_and_crops_repeat_per_seed_epoch_index(de
     assert normalised.dtype == torch.float32 and -1.01 <= normalised.min() and normalised.max() <= 1.01
 
 
+def test_crop_offsets_are_uniform_and_independent_over_positions_and_of_each_other():
+    from lit_dist.data.dataset import crop_hash
+
+    free = 10  # 11 positions each way, 121 (left, top) cells
+    words = [crop_hash(seed, epoch, index) for seed in (0, 7) for epoch in (0, 1) for index in range(6050)]
+    left = np.array([(w & 0xFFFFFFFF) % (free + 1) for w in words])
+    top = np.array([(w >> 32) % (free + 1) for w in words])
+    cells = np.bincount(left * (free + 1) + top, minlength=(free + 1) ** 2)
+    expected = len(words) / len(cells)  # 200 a cell
+    chi2 = ((cells - expected) ** 2 / expected).sum()
+    assert chi2 < 180, f"(left, top) not uniform: chi-square {chi2:.0f} over 120 degrees of freedom"
+    assert len({crop_hash(s, e, i) for s in range(3) for e in range(3) for i in range(3)}) == 27
+
+
 def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_path, caplog):
     meta = read_metadata(str(demo_data))
     bucket_sizes = np.array([[32, 32]])
