@@ -202,8 +202,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         free_x, free_y = image.shape[1] - width, image.shape[0] - height
         if self.random_crop and (free_x or free_y):
             # From (seed, epoch, index) alone: a resumed run crops exactly as an uninterrupted one.
-            word = crop_hash(self.seed, epoch, index)
-            left, top = (word & 0xFFFFFFFF) % (free_x + 1), (word >> 32) % (free_y + 1)
+            left, top = crop_offsets(self.seed, epoch, index, free_x, free_y)
             return image[top : top + height, left : left + width]  # (H, W, C)
         return centre_crop(image, width, height)
 
@@ -223,17 +222,19 @@ def _batch_buffer(shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
 _MASK64 = (1 << 64) - 1
 
 
-def crop_hash(seed: int, epoch: int, index: int) -> int:
-    """64 well-mixed bits from (seed, epoch, index): splitmix64's finaliser over a combination of the three.
+def crop_offsets(seed: int, epoch: int, index: int, free_x: int, free_y: int) -> tuple[int, int]:
+    """The random crop's (left, top), in 0..free_x and 0..free_y, from (seed, epoch, index) alone: the two
+    32-bit halves of splitmix64's finaliser over a combination of the three.
 
     A generator per sample (``np.random.default_rng([seed, epoch, index])``, which hashes its seed through a
-    SeedSequence) cost 12-25 us a sample, a tenth of reading one from a cache; this costs under 1 us. The
-    offsets take 32 bits each modulo at most a few thousand positions: their bias is below 1e-6.
+    SeedSequence) cost 12-25 us a sample, a tenth of reading one from a cache; this costs under 1 us. Taking
+    32 bits modulo at most a few thousand positions, the offsets' bias is below 1e-6.
     """
     word = (seed * 0x9E3779B97F4A7C15 + epoch * 0xD1B54A32D192ED03 + index * 0xBF58476D1CE4E5B9) & _MASK64
     word = ((word ^ (word >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     word = ((word ^ (word >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return word ^ (word >> 31)
+    word ^= word >> 31
+    return (word & 0xFFFFFFFF) % (free_x + 1), (word >> 32) % (free_y + 1)
 
 
 def centre_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:

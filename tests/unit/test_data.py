@@ -55,17 +55,19 @@ def test_batches_are_uint8_bucket_sized_and_crops_repeat_per_seed_epoch_index(de
 
 
 def test_crop_offsets_are_uniform_and_independent_over_positions_and_of_each_other():
-    from lit_dist.data.dataset import crop_hash
+    from lit_dist.data.dataset import crop_offsets
 
     free = 10  # 11 positions each way, 121 (left, top) cells
-    words = [crop_hash(seed, epoch, index) for seed in (0, 7) for epoch in (0, 1) for index in range(6050)]
-    left = np.array([(w & 0xFFFFFFFF) % (free + 1) for w in words])
-    top = np.array([(w >> 32) % (free + 1) for w in words])
-    cells = np.bincount(left * (free + 1) + top, minlength=(free + 1) ** 2)
-    expected = len(words) / len(cells)  # 200 a cell
+    offsets = np.array([crop_offsets(seed, epoch, index, free, free)
+                        for seed in (0, 7) for epoch in (0, 1) for index in range(6050)])
+    assert offsets.min() == 0 and offsets.max() == free
+    cells = np.bincount(offsets[:, 0] * (free + 1) + offsets[:, 1], minlength=(free + 1) ** 2)
+    expected = len(offsets) / len(cells)  # 200 a cell
     chi2 = ((cells - expected) ** 2 / expected).sum()
     assert chi2 < 180, f"(left, top) not uniform: chi-square {chi2:.0f} over 120 degrees of freedom"
-    assert len({crop_hash(s, e, i) for s in range(3) for e in range(3) for i in range(3)}) == 27
+    wide = {crop_offsets(s, e, i, 999, 999) for s in range(3) for e in range(3) for i in range(3)}
+    assert len(wide) == 27, "another seed, epoch or index should give another crop"
+    assert {crop_offsets(1, 2, 3, 0, 5)[0], crop_offsets(1, 2, 3, 5, 0)[1]} == {0}, "no room: offset 0"
 
 
 def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_path, caplog):
