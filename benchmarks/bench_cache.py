@@ -33,6 +33,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -343,6 +344,13 @@ def main() -> None:
     parser.add_argument("--photos", help="a folder of your own photos: part 4 on them too (reported, not checked)")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-cache-")
+    try:
+        run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # photos and a dozen caches: about 1 GB
+
+
+def run(args: argparse.Namespace, tmp: str) -> None:
     table = make_photos(os.path.join(tmp, "photos"), args.images)
     loader = bench_loader(table, os.path.join(tmp, "pixels"), args.workers)
     print(f"machine: {machine()}")
@@ -408,6 +416,7 @@ def main() -> None:
                 compression={k: {m: round(v, 2) for m, v in r.items()} for k, r in reported.items()},
                 s3_requests_per_sample=s3["requests_per_sample"], bytes_per_sample=round(memory["bytes_per_sample"], 1),
                 machine=machine())
+
 
 if __name__ == "__main__":
     main()
