@@ -16,14 +16,20 @@ step, never a synchronisation); on CPU from the host clock. The running totals t
 control's exchange (``control.sync_every_n_steps``; no collective of their own). Every
 ``window_steps`` optimizer steps every rank compares the ranks' work per step over that window:
 
-- rank 0 logs ``straggler/slowest_rank`` and ``straggler/slowest_over_median`` (its work over the
-  median rank's) to TensorBoard;
-- when the same rank is at least ``threshold`` times the median for ``windows`` windows in a row,
+- rank 0 logs ``straggler/slowest_rank`` and ``straggler/slowest_over_median`` (the slowest rank's
+  work over the median of the *other* ranks' work) to TensorBoard;
+- when the same rank is at least ``threshold`` times that median for ``windows`` windows in a row,
   rank 0 publishes ``run.straggler`` (severity warning) with its rank, host, GPU UUID and its seconds
-  per step in each part against the median's; once per episode (again only after it recovered);
+  per step in each part against the other ranks' median; once per episode (again only after it
+  recovered);
 - with ``exclude_node`` (Slurm jobs only), every rank then stops at that step: a checkpoint is saved,
   rank 0 requeues the job with the straggler's node added to its excluded nodes, and the ranks exit
   with code 13, so that the job resumes on other nodes.
+
+The slowest rank is left out of the median it is compared with, so the figure is what it costs: every
+step waits for it, and lasts about that many times what a typical other rank needs. With 2 ranks it is the slower rank's
+work over the faster one's (a rank doing 1.5x the other's work reads 1.50, where the median of both,
+their mean, would read 1.20); with 3 or more it differs little from the median of all ranks.
 
 Under FSDP and DeepSpeed ZeRO-3 the forward and backward contain parameter all-gathers, so their
 figures include some waiting for the other ranks; the data and optimizer figures stay clean.
@@ -62,7 +68,7 @@ class StragglerDetector(Callback):
         Args:
             enabled: Time each rank's own work and compare the ranks (no collective of its own: the run control's exchange carries it).
             window_steps: Optimizer steps per comparison window (in whole run-control exchanges: at least control.sync_every_n_steps).
-            threshold: A rank is slow in a window when its work per step is at least this many times the median rank's (above 1).
+            threshold: A rank is slow in a window when its work per step is at least this many times the median of the other ranks' (above 1).
             windows: Consecutive slow windows of the same rank before run.straggler is sent.
             exclude_node: Under Slurm, then also save, requeue the job without the straggler's node and exit 13.
         """
@@ -70,8 +76,9 @@ class StragglerDetector(Callback):
         if window_steps < 1:
             problems.append(f"straggler.window_steps = {window_steps}: must be at least 1 (optimizer steps)")
         if threshold <= 1:
-            problems.append(f"straggler.threshold = {threshold}: the slowest rank is always at least the median "
-                            "(1.0), so this would name a rank in every window; use a value above 1, e.g. 1.2")
+            problems.append(f"straggler.threshold = {threshold}: the slowest rank is always at least the other "
+                            "ranks' median (1.0), so this would name a rank in every window; use a value above 1, "
+                            "e.g. 1.2")
         if windows < 1:
             problems.append(f"straggler.windows = {windows}: must be at least 1")
         ConfigError.collect(problems)
@@ -112,8 +119,6 @@ class StragglerDetector(Callback):
         if self._control is None:
             raise ConfigError("StragglerDetector needs lit_dist.control.RunControl among the trainer's callbacks "
                               "(lit-dist fit adds it; add RunControl() when building a Trainer yourself)")
-        world = trainer.world_size
-        self.check_world(world)
         self._clock = _CudaClock() if trainer.strategy.root_device.type == "cuda" else _HostClock()
         self._totals[:] = 0
         self._pending, self._record, self._ended, self._step = deque(), None, None, trainer.global_step
@@ -126,13 +131,6 @@ class StragglerDetector(Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._unhook()
-
-    def check_world(self, world: int) -> None:
-        """A threshold that no rank could reach with this many ranks is a configuration error."""
-        if world == 2 and self.threshold >= 2:
-            raise ConfigError(f"straggler.threshold = {self.threshold}: with 2 ranks the median is their mean, and the "
-                              "slower one is always less than 2 times it, so no rank could ever be named; use a value "
-                              "between 1 and 2, e.g. 1.2")
 
     # -- the training thread: clock marks ---------------------------------------------------------
 
@@ -231,9 +229,8 @@ class StragglerDetector(Callback):
             return
         per_step = delta[:, :-1] / steps[:, None]  # [rank, part] seconds per optimizer step
         work = per_step.sum(axis=1)
-        median = float(np.median(work))
         slowest = int(np.argmax(work))
-        ratio = float(work[slowest] / median) if median > 0 else 1.0
+        ratio = slowest_over_others(work, slowest)
         self.last = {"step": agreed.step, "slowest_rank": slowest, "slowest_over_median": ratio,
                      "work_s": work.tolist()}
         if trainer.is_global_zero and trainer.logger is not None:
@@ -263,19 +260,19 @@ class StragglerDetector(Callback):
                 log.warning("lit-dist: straggler rank %d: %s", rank, self.requeued)
 
         def error(saved) -> StragglerStop:
-            return StragglerStop(f"rank {rank} on node {node} did {ratio:.2f}x the median rank's work per step for "
+            return StragglerStop(f"rank {rank} on node {node} did {ratio:.2f}x the other ranks' median work per step for "
                                  f"{self.windows} windows; stopped at step {step}, saved {saved or 'nothing'}; "
                                  f"{self.requeued or 'requeued by rank 0'}")
 
         return Stop(error, save="straggler", announce=announce)
 
     def _event(self, step: int, rank: int, ratio: float, per_step: np.ndarray) -> Event:
-        median = np.median(per_step, axis=0)
+        median = np.median(np.delete(per_step, rank, axis=0), axis=0)  # (part,) over the other ranks
         where = self._control.where(rank)
         parts = ", ".join(f"{p} {per_step[rank, i] * 1e3:.1f} vs {median[i] * 1e3:.1f} ms"
                           for i, p in enumerate(PARTS))
         gpu = f" GPU {where['gpu']}" if where.get("gpu") else ""
-        message = (f"rank {rank} ({where['host']}{gpu}) does {ratio:.2f}x the median rank's work per step for "
+        message = (f"rank {rank} ({where['host']}{gpu}) does {ratio:.2f}x the other ranks' median work per step for "
                    f"{self.windows} windows of {self.window_steps} steps ({parts}); every rank waits for it"
                    + (f"; stopping to requeue without node {where['node']}" if self.exclude_node else ""))
         return Event("run.straggler", "warning", f"Rank {rank} is a straggler", message,
@@ -284,6 +281,16 @@ class StragglerDetector(Callback):
                       "slowest_over_median": round(ratio, 4), "windows": self.windows,
                       "seconds_per_step": {p: round(float(per_step[rank, i]), 6) for i, p in enumerate(PARTS)},
                       "median_seconds_per_step": {p: round(float(median[i]), 6) for i, p in enumerate(PARTS)}})
+
+
+def slowest_over_others(work: np.ndarray, slowest: int) -> float:
+    """The slowest rank's work over the median of the other ranks' work (1.0 when they did none).
+
+    Not over the median of all ranks: with 2 ranks that is their mean, and a rank doing 1.5x the other's work would
+    read 1.2x. Leaving it out says what it costs at any world size.
+    """
+    median = float(np.median(np.delete(work, slowest)))
+    return float(work[slowest] / median) if median > 0 else 1.0
 
 
 class _HostClock:
