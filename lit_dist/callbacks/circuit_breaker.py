@@ -28,7 +28,11 @@ It logs (from the thread's last reading, on logging steps):
 ``gpu/ecc_uncorrectable``    volatile uncorrectable ECC errors since start
 ===========================  ==================================================
 
-Without NVML or a GPU it logs one info line and does nothing.
+Without a CUDA device (a CPU run) it logs one info line on rank 0 and does nothing. On a CUDA device
+(or with ``device_index`` set) a rank whose NVML cannot be loaded (no driver library, no permission)
+logs a warning naming itself and trains on unwatched: the run goes on, but the protection asked for
+is visibly missing there. An ``nvml_module`` that names no module, or a module without the pynvml
+API, is a configuration error (exit 2) when the breaker is built, on any machine.
 """
 
 import importlib
@@ -183,6 +187,10 @@ class GPUCircuitBreaker(Callback):
             exclude_node: Requeue the Slurm job without the faulty GPU's node (added to its excluded nodes); default: in a Slurm job.
         """
         check_exclusion("GPUCircuitBreaker.exclude_node", exclude_node)
+        try:
+            load_nvml(nvml_module)  # a misspelt name is a config error on every machine, not only on a GPU
+        except ImportError:
+            pass  # the module is there but cannot be imported here: setup warns where a GPU needs it
         self.poll_interval_s = poll_interval_s
         self.judge = Judge(ecc_threshold, margin_c, throttle_polls)
         self.save_checkpoint = save_checkpoint
@@ -221,22 +229,33 @@ class GPUCircuitBreaker(Callback):
             rank_zero_info("lit-dist: GPUCircuitBreaker disabled: no CUDA device")
             return
         try:
-            self.nvml = importlib.import_module(self.nvml_module)
+            self.nvml = load_nvml(self.nvml_module)
+        except ImportError as exc:  # found, but it (or a library it imports) cannot be loaded on this node
+            self._unwatched(trainer, f"{self.nvml_module} cannot be imported ({exc})")
+            return
+        try:
             self.nvml.nvmlInit()
             self.index = self.device_index if self.device_index is not None else nvml_index(self.nvml, device.index)
             self.last = read(self.nvml, self.index)
-        except Exception as exc:  # no driver, no library, no permission: the run goes on unwatched
-            rank_zero_info(f"lit-dist: GPUCircuitBreaker disabled: NVML unavailable ({exc})")
+        except self.nvml.NVMLError as exc:  # no driver library, no permission, a GPU NVML cannot see
+            self._unwatched(trainer, f"NVML unavailable ({exc})")
             return
         self.enabled = True
         self._thread = threading.Thread(target=self._poll, name="lit-dist-gpu-breaker", daemon=True)
         self._thread.start()
 
+    def _unwatched(self, trainer, reason: str) -> None:
+        """This rank's GPU cannot be watched: a warning from every rank it happens on, and the run goes on."""
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        log.warning("lit-dist: rank %d (%s): GPUCircuitBreaker disabled: %s; this rank's GPU is not watched. "
+                    "Install the NVIDIA driver's NVML (libnvidia-ml.so.1) on this node, or remove the breaker "
+                    "from trainer.callbacks", trainer.global_rank, host, reason)
+
     def _poll(self) -> None:
         while not self._stop.wait(self.poll_interval_s):
             try:
                 reading = read(self.nvml, self.index)
-            except Exception as exc:  # NVML itself failing is a symptom too
+            except self.nvml.NVMLError as exc:  # NVML itself failing (GPU lost, driver gone) is a symptom too
                 self.fault = self.fault or f"NVML query failed: {exc}"
                 continue
             self.last = reading
@@ -326,6 +345,29 @@ class GPUCircuitBreaker(Callback):
             log.warning("lit-dist: %s: %s", title, reason)
 
 
+def load_nvml(name: str):
+    """The module ``name`` (``nvml_module``): a ConfigError if there is no such module or it lacks pynvml's API.
+
+    ImportError from a module that exists but cannot be imported here passes through: that is NVML being
+    unavailable on this node, not a mistake in the config.
+    """
+    fix = ("use 'pynvml' (from nvidia-ml-py, installed with lit-dist) or the import path of a module with the "
+           "pynvml API, e.g. tests.helpers.fake_nvml")
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (name == exc.name or name.startswith(exc.name + ".")):
+            raise  # the module is there; something it imports is not
+        raise ConfigError(f"GPUCircuitBreaker.nvml_module = {name!r}: no module named {exc.name!r}; {fix}") from exc
+    except (ValueError, TypeError) as exc:  # an empty or a relative name
+        raise ConfigError(f"GPUCircuitBreaker.nvml_module = {name!r}: not a module name ({exc}); {fix}") from exc
+    missing = [attr for attr in ("nvmlInit", "NVMLError", "nvmlDeviceGetHandleByIndex") if not hasattr(module, attr)]
+    if missing:
+        raise ConfigError(f"GPUCircuitBreaker.nvml_module = {name!r}: not an NVML module (it has no "
+                          f"{', '.join(missing)}); {fix}")
+    return module
+
+
 def nvml_index(nvml, cuda_index: int, uuid: str | None = None) -> int:
     """NVML's number for this process's CUDA device ``cuda_index``.
 
@@ -338,7 +380,7 @@ def nvml_index(nvml, cuda_index: int, uuid: str | None = None) -> int:
         uuid = uuid or str(torch.cuda.get_device_properties(cuda_index).uuid)
         handle = nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
         return int(nvml.nvmlDeviceGetIndex(handle))
-    except Exception as exc:
+    except (nvml.NVMLError, RuntimeError, AssertionError) as exc:  # NVML: no such UUID; torch: no such device
         log.info("lit-dist: GPU %d not found by UUID through NVML (%s); using CUDA_VISIBLE_DEVICES", cuda_index, exc)
     entries = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if entries and all(v.isdigit() for v in entries) and cuda_index < len(entries):

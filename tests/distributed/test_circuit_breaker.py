@@ -40,3 +40,20 @@ def test_a_fault_on_rank_1_stops_both_ranks_and_rank_1_reports_it(tmp_path, demo
     assert "GPU fault on another rank's GPU" in out.stderr or "GPU fault on this rank's GPU" in out.stderr
     stops = [json.loads((tmp_path / "quickstart" / "r" / f"stop-rank{rank}.json").read_text()) for rank in (0, 1)]
     assert stops[0] == stops[1] and stops[0]["error"] == "GPUFault", f"both ranks stop at the same step: {stops}"
+
+
+def test_without_nvml_each_rank_warns_that_its_gpu_is_not_watched_and_training_goes_on(tmp_path, demo_data):
+    state = tmp_path / "nvml.json"
+    state.write_text(json.dumps({"0": {"fail_init": True}, "1": {"fail_init": True}}))
+    out = lit_dist(
+        "fit", *quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, data__num_workers=0,
+                                trainer__devices=2, trainer__strategy="ddp", trainer__max_steps=3,
+                                trainer__max_epochs=None, trainer__limit_val_batches=0,
+                                trainer__enable_progress_bar=False),
+        "--trainer.callbacks+=lit_dist.callbacks.circuit_breaker.GPUCircuitBreaker",
+        "--trainer.callbacks.nvml_module", "tests.helpers.fake_nvml", "--trainer.callbacks.device_index", "0",
+        env={"FAKE_NVML_STATE": str(state)}, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if "GPUCircuitBreaker disabled: NVML unavailable" in line]
+    assert sorted(line.split(" (")[0] for line in lines) == ["lit-dist: rank 0", "lit-dist: rank 1"], lines
+    assert all("this rank's GPU is not watched" in line for line in lines), lines

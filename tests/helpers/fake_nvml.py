@@ -55,6 +55,17 @@ def nvmlDeviceGetUUID(handle):
     return f"GPU-fake-{os.environ.get('LOCAL_RANK', '0')}"
 
 
+def nvmlDeviceGetHandleByUUID(uuid):
+    # Like NVML: a UUID it does not know (a real GPU's, beside this double) is NVMLError, "Not Found".
+    if uuid != nvmlDeviceGetUUID(None):
+        raise NVMLError("Not Found")
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def nvmlDeviceGetIndex(handle):
+    return handle
+
+
 def nvmlDeviceGetName(handle):
     return "Fake H100"
 
