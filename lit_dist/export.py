@@ -3,11 +3,12 @@
 Used by the end-of-fit ExportModel callback and by ``lit-dist export`` (lit_dist/commands/export.py).
 Reads a lit-dist checkpoint folder (verified against its manifest first), a Lightning
 checkpoint file (DDP, single device, FSDP full), a sharded folder (FSDP2 / FSDP1 sharded,
-torch.distributed.checkpoint) and a DeepSpeed ZeRO folder.
+torch.distributed.checkpoint) and a DeepSpeed ZeRO folder. Every one is unpickled with
+``weights_only`` and the few types lit-dist's checkpoints hold (lit_dist/ckpt/pickles.py), unless
+the caller trusts it (``lit-dist export --trust_pickle``).
 """
 
 import os
-import tempfile
 
 import torch
 
@@ -61,41 +62,77 @@ def lit_dist_checkpoint(path: str) -> str | None:
     return choice.state
 
 
-def load_checkpoint_state(path: str) -> dict:
-    """The LightningModule state dict held by any checkpoint lit-dist or Lightning writes."""
+TRUST = "run the export again with --trust_pickle true"
+
+
+def load_checkpoint_state(path: str, trust_pickle: bool = False) -> dict:
+    """The LightningModule state dict held by any checkpoint lit-dist or Lightning writes.
+
+    ``trust_pickle`` unpickles every type the files name (only for files the user trusts); otherwise
+    a file naming a type beyond lit-dist's own raises ``UntrustedPickle`` (a DataError).
+    """
+    from lit_dist.ckpt import pickles
+
     path = lit_dist_checkpoint(path) or path
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "latest")) or any(n.startswith("global_step") for n in os.listdir(path)):
-            return _deepspeed_state(path)
+            return _deepspeed_state(path, trust_pickle)
         if os.path.exists(os.path.join(path, ".metadata")):
-            return _dcp_state(path)
+            return _dcp_state(path, trust_pickle)
         raise DataError(f"{path} is a folder but neither a DeepSpeed checkpoint (no 'latest') nor a sharded "
                         "torch.distributed checkpoint (no '.metadata')")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
-        # Lightning checkpoints can hold hyperparameters that weights_only refuses (e.g. a config
-        # namespace); only do this for files you trust, as for any pickle.
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = pickles.load(path, TRUST, trust=trust_pickle)
     return checkpoint.get("state_dict", checkpoint)
 
 
-def _dcp_state(path: str) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def _dcp_state(path: str, trust: bool) -> dict:
+    """The module's tensors of a sharded checkpoint, read without its pickled non-tensor entries.
 
-    with tempfile.TemporaryDirectory() as tmp:
-        target = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(path, target)
-        checkpoint = torch.load(target, map_location="cpu", weights_only=False)
-    state = checkpoint.get("state_dict", checkpoint)
-    return state.get("model", state) if isinstance(state.get("model"), dict) else state
+    torch's own converter (``dcp_to_torch_save``) unpickles the `.metadata` file and every non-tensor
+    entry with plain pickle and writes the whole checkpoint, optimizer included, to a temporary file;
+    here only the metadata is unpickled (restricted) and only the module's tensors are read.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lit_dist.ckpt import pickles
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                metadata = pickles.load_dcp_metadata(f, os.path.join(path, ".metadata"), TRUST, trust=trust)
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    reader = Reader(path)
+    tensors = {k: v for k, v in reader.read_metadata().state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    # Lightning keeps the module under "state_dict" (ModelParallelStrategy, FSDP2) or "model" (FSDP1 sharded).
+    prefix = next((p for p in ("state_dict.", "model.") if any(k.startswith(p) for k in tensors)), "")
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in tensors.items() if k.startswith(prefix)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {k[len(prefix):]: v for k, v in state.items()}
 
 
-def _deepspeed_state(path: str) -> dict:
+def _deepspeed_state(path: str, trust: bool) -> dict:
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as exc:
         raise DataError(f"{path} is a DeepSpeed checkpoint; converting it needs DeepSpeed: "
                         "pip install --no-build-isolation deepspeed") from exc
-    return get_fp32_state_dict_from_zero_checkpoint(path)
+    if not trust:
+        from lit_dist.ckpt import pickles
 
+        # DeepSpeed's converter loads every file as a full pickle: each must first load with weights_only
+        # (memory-mapped, so no tensor is read) and DeepSpeed's own few types.
+        folder = path
+        if os.path.isfile(os.path.join(path, "latest")):
+            with open(os.path.join(path, "latest")) as f:
+                folder = os.path.join(path, f.read().strip())
+        for root, _, names in os.walk(folder):
+            for name in sorted(n for n in names if n.endswith(".pt")):
+                pickles.load(os.path.join(root, name), TRUST, allowed=pickles.deepspeed_types(), mmap=True)
+    return get_fp32_state_dict_from_zero_checkpoint(path)

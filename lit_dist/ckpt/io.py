@@ -3,23 +3,26 @@
 Lightning's ``TorchCheckpointIO`` serialises the whole checkpoint into memory first and moves a
 temporary file from ``$TMPDIR`` (not atomic across filesystems). This one streams ``torch.save``
 into a temporary file next to the target, hashes it on the way, and remembers each file's size and
-sha256 for the checkpoint's manifest, so nothing is read back to hash it.
+sha256 for the checkpoint's manifest, so nothing is read back to hash it. Loading unpickles only
+tensors, containers and the types lit-dist's checkpoints hold (lit_dist/ckpt/pickles.py).
 """
 
 import logging
-import pickle
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
+from lit_dist.ckpt import pickles
 from lit_dist.ckpt.files import FileEntry, filesystem, write_atomically
 
 log = logging.getLogger(__name__)
+# Lightning's own switch (an argument of Trainer.fit / validate / test / predict, so a flag of each command).
+TRUST = "run the command again with --weights_only false"
 
 
 class AtomicCheckpointIO(CheckpointIO):
-    """Saves each checkpoint file complete or not at all; loads it with ``weights_only=True`` when it can."""
+    """Saves each checkpoint file complete or not at all; loads it with ``weights_only=True``."""
 
     def __init__(self, storage_options: dict | None = None):
         self.storage_options = storage_options or {}
@@ -30,23 +33,19 @@ class AtomicCheckpointIO(CheckpointIO):
         self.written[str(path)] = write_atomically(fs, fs_path, lambda f: torch.save(checkpoint, f))
 
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Loads with ``weights_only`` unless ``weights_only`` is False (Lightning's ``--weights_only false``).
+
+        A checkpoint naming any type beyond lit-dist's own (lit_dist/ckpt/pickles.py) is refused with a
+        DataError naming it: unpickling it could run code, and no resume does that without being told.
+        """
         fs, fs_path = filesystem(str(path), self.storage_options)
         if not fs.exists(fs_path):
             raise FileNotFoundError(f"checkpoint file not found: {path}")
         with fs.open(fs_path, "rb") as f:
-            if weights_only is not False:
-                try:
-                    return torch.load(f, map_location=map_location or "cpu", weights_only=True)
-                except pickle.UnpicklingError as exc:
-                    if weights_only:
-                        raise
-                    # The state holds Python objects beyond tensors and containers (a model's own
-                    # hyperparameters, say). lit-dist wrote it into this run's own folder.
-                    log.warning("lit-dist: %s holds Python objects that weights_only loading refuses (%s); "
-                                "loading it as a full pickle. Only resume from checkpoints you trust.",
-                                path, str(exc).splitlines()[0][:200])
-                    f.seek(0)
-            return torch.load(f, map_location=map_location or "cpu", weights_only=False)
+            if weights_only is False:
+                log.warning("lit-dist: loading %s as a full pickle (--weights_only false): only for files you trust",
+                            path)
+            return pickles.load(f, TRUST, trust=weights_only is False, map_location=map_location or "cpu")
 
     def remove_checkpoint(self, path) -> None:
         fs, fs_path = filesystem(str(path), self.storage_options)

@@ -2,6 +2,7 @@
 
     lit-dist export runs/my-run/slurm-123/checkpoints/step-000004000 --output model.pt
     lit-dist export runs/my-run/slurm-123/checkpoints --output model.pt    # the newest usable one
+    lit-dist export downloaded.ckpt --output model.pt --trust_pickle       # a file you trust that holds other types
 
     net = MyNet(...)
     net.load_state_dict(torch.load("model.pt", weights_only=True))
@@ -13,16 +14,18 @@ from lit_dist.errors import DataError
 from lit_dist.export import load_checkpoint_state, save_atomically, strip_prefix, to_full_precision
 
 
-def export(checkpoint: str, output: str = "model.pt") -> None:
+def export(checkpoint: str, output: str = "model.pt", trust_pickle: bool = False) -> None:
     """Write the wrapped network of a checkpoint as a plain full-precision state_dict.
 
     Args:
         checkpoint: A checkpoint file (.ckpt) or folder (FSDP sharded, DeepSpeed ZeRO) written by lit-dist or Lightning.
         output: Where to write the state_dict (torch.save); load it with torch.load(output, weights_only=True).
+        trust_pickle: Unpickle whatever types the checkpoint names (unpickling can run any code): only for a file
+            you trust. Without it, a checkpoint holding a type beyond lit-dist's own is refused (exit code 3).
     """
     if not os.path.exists(checkpoint):
         raise DataError(f"checkpoint {checkpoint!r} does not exist")
-    state = to_full_precision(strip_prefix(load_checkpoint_state(checkpoint)))
+    state = to_full_precision(strip_prefix(load_checkpoint_state(checkpoint, trust_pickle)))
     save_atomically(state, output)
     count = sum(v.numel() for v in state.values())
     print(f"lit-dist export: {len(state)} tensors ({count:,} values) from {checkpoint} -> {output}")
