@@ -199,7 +199,10 @@ class RunControl(Callback):
         for subscriber in self._subscribers:
             try:
                 subscriber.send(event)
-            except Exception:  # a sink's bug must not end the run
+            except Exception:  # noqa: BLE001 - a sink's failure must not end the run; logged with its traceback
+                # Sinks are notifications (webhook queue, console, TensorBoard: a full disk, a closed stdout, a bug).
+                # publish runs on one rank (rank 0's run events), in the breaker's thread and in on_exception:
+                # raising there would leave the other ranks in the next exchange or hide the original error.
                 log.exception("lit-dist: event subscriber %r failed", subscriber)
 
     def flush(self, timeout_s: float | None = None) -> None:

@@ -204,10 +204,13 @@ def checkpoints(run_dir: str) -> list[dict]:
     for name in store.complete():
         try:
             manifest = store.manifest(name)
-        except Exception:  # noqa: BLE001 - a damaged marker: listed by `lit-dist export`, not here
+        except (OSError, ValueError):  # unreadable or not JSON (truncated): `lit-dist export` names it, not here
+            continue
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(files, dict):  # JSON, but not a manifest
             continue
         found.append({"name": name, "step": manifest.get("step"), "reason": manifest.get("reason", "?"),
-                      "bytes": sum(f.get("size", 0) for f in manifest.get("files", {}).values()),
+                      "bytes": sum(f.get("size", 0) for f in files.values() if isinstance(f, dict)),
                       "time": os.path.getmtime(os.path.join(folder, name))})
     return found
 

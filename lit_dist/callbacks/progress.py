@@ -27,6 +27,7 @@ and one at each validation and checkpoint::
 """
 
 import logging
+import math
 import os
 import sys
 import time
@@ -131,10 +132,9 @@ class Progress(Callback):
         device = trainer.strategy.root_device
         self._peak = self.peak_tflops or (peak_tflops(torch.cuda.get_device_name(device))
                                           if device.type == "cuda" else None)
-        try:
-            self._total_steps = int(trainer.estimated_stepping_batches)
-        except Exception:  # an iterable without a length: no total, no ETA
-            self._total_steps = None
+        # inf: no end (max_epochs -1); max_steps, so -1 without it, for a loader without a length: no total, no ETA
+        estimate = trainer.estimated_stepping_batches
+        self._total_steps = int(estimate) if math.isfinite(estimate) and estimate > 0 else None
         self._totals = Totals()
         self._log_mark = self._line_mark = self._totals.mark()
         self._first_batch, self._blocked = None, 0.0
@@ -202,8 +202,14 @@ class Progress(Callback):
             self._measuring = shape
             try:
                 self._meter.start()  # this one step's forward and backward, once per shape
-            except Exception as exc:  # a model the counter cannot follow: no FLOPs, training goes on
-                log.warning("lit-dist: cannot count the FLOPs of a step (%s); no TFLOP/s or MFU", exc)
+            except Exception as exc:  # noqa: BLE001 - torch documents nothing; only a metric is lost
+                # Entering torch's FlopCounterMode pushes a dispatch mode and module hooks (RuntimeError or
+                # AssertionError from its mode stack in practice). Whatever it raises costs only this shape's
+                # TFLOP/s and MFU, said in the warning; a fresh meter is not left half-entered for
+                # on_after_backward to stop.
+                log.warning("lit-dist: cannot count the FLOPs of a step (%s: %s); no TFLOP/s or MFU",
+                            type(exc).__name__, exc)
+                self._meter, self._measuring = FlopMeter(), None
                 self.flops_per_sample[shape[1:]] = 0.0
 
     def on_after_backward(self, trainer, pl_module) -> None:

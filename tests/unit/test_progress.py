@@ -81,3 +81,28 @@ def test_peaks_by_gpu_name_and_bad_settings():
     assert peak_tflops("NVIDIA GeForce GTX 1080") is None
     with pytest.raises(ConfigError, match="progress.peak_tflops: -1"):
         Progress(peak_tflops=-1)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Images from a stream: no length, so no total number of steps."""
+
+    def __iter__(self):
+        image = torch.randn(3, 32, 48)
+        return iter([{"image": image, "label": i % 4} for i in range(24)])
+
+
+@pytest.mark.parametrize(("max_steps", "total"), [(-1, None), (5, 5)])
+def test_a_loader_without_a_length_prints_steps_without_a_total_unless_max_steps_gives_one(max_steps, total, capsys):
+    seed_everything(0)
+    progress = Progress(log_every_s=1e-6)
+    model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+    trainer = Trainer(max_epochs=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, callbacks=[RunControl(), progress],
+                      num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tempfile.mkdtemp())
+    trainer.fit(model, torch.utils.data.DataLoader(Stream(), batch_size=4, num_workers=0))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lit-dist: step ")]
+    assert progress._total_steps == total and lines, lines
+    if total is None:
+        assert all("/" not in line.split(" epoch")[0] for line in lines), lines  # never "step 3/-1 (-300%)"
+    else:
+        assert any(line.startswith("lit-dist: step 5/5 (100%)") for line in lines), lines

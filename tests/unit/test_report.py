@@ -49,3 +49,24 @@ def test_report_of_a_killed_run_says_it_stopped_without_a_word_and_a_wrong_folde
     assert "state: stopped at step 8/30 (27%) without a word (killed, or its node was lost)" in out.stdout, out.stdout
     wrong = lit_dist("report", str(tmp_path / "quickstart"))
     assert wrong.returncode == ExitCode.CONFIG_ERROR and "not a lit-dist run directory" in wrong.stderr
+
+
+def test_checkpoints_with_a_damaged_marker_are_left_out_of_the_report_and_the_others_listed(tmp_path):
+    import json
+
+    from lit_dist.report import checkpoints
+
+    folder = tmp_path / "checkpoints"
+    markers = {"step-000000010": json.dumps({"step": 10, "reason": "every_n_steps",
+                                             "files": {"state.ckpt": {"size": 2_000_000}}}),
+               "step-000000020": '{"step": 20, "files": {"state.ck',  # cut short by a full disk
+               "step-000000030": "\udcff".encode("utf-8", "surrogateescape").decode("latin-1"),  # not UTF-8
+               "step-000000040": json.dumps(["not", "a", "manifest"])}
+    for name, text in markers.items():
+        (folder / name).mkdir(parents=True)
+        (folder / name / "COMPLETE.json").write_bytes(text.encode("latin-1"))
+    (folder / "step-000000050").mkdir()
+    (folder / "step-000000050" / "COMPLETE.json").mkdir()  # a folder where the marker should be: unreadable
+    found = checkpoints(str(tmp_path))
+    assert [(c["name"], c["step"], c["bytes"], c["reason"]) for c in found] == \
+        [("step-000000010", 10, 2_000_000, "every_n_steps")]
