@@ -260,13 +260,18 @@ def _describe(function) -> str:
 
 
 def _user_error(exc: BaseException | None) -> LitDistError | None:
-    """The LitDistError behind ``exc``: jsonargparse wraps errors raised while building classes."""
+    """The LitDistError that ``exc`` is or wraps by explicit chaining (``raise ... from``), as jsonargparse wraps
+    errors raised while building classes (``raise_union_unexpected_value``: ``raise ValueError(...) from``).
+
+    ``__context__`` is not followed: an error raised while a user error was being handled (a callback's
+    ``on_exception`` that fails, say) is a bug of its own, and its traceback must be seen.
+    """
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, LitDistError):
             return exc
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__
     return None
 
 

@@ -1,0 +1,31 @@
+"""How the command line reports what went wrong: a user error in one line, a bug with its traceback, and the
+commands' own flags parsed as their signatures say."""
+
+import pytest
+from lightning.pytorch import Callback
+
+from tests.conftest import lit_dist, quickstart_args
+
+
+class BrokenOnException(Callback):
+    """A callback whose ``on_exception`` has a bug: it runs while Lightning handles the run's error."""
+
+    def on_exception(self, trainer, pl_module, exception):
+        raise RuntimeError("bug in BrokenOnException.on_exception")
+
+
+def test_a_user_error_names_its_field_without_a_traceback(tmp_path, demo_data):
+    # Raised in LitModel.__init__ and wrapped by jsonargparse (raise ... from): still the user's error.
+    out = lit_dist("fit", *quickstart_args(tmp_path, demo_data, model__base_batch_size=0))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "model.base_batch_size = 0" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_bug_raised_while_a_user_error_is_handled_shows_its_traceback(tmp_path, demo_data):
+    # The demo's buckets are too small for a global batch of 32: a data error inside trainer.fit, during whose
+    # handling the callback's bug is raised. Exiting 3 with the data error's line alone would hide the bug.
+    out = lit_dist("fit", *quickstart_args(tmp_path, demo_data, data__num_workers=0),
+                   "--trainer.callbacks+=tests.unit.test_cli_errors.BrokenOnException")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" in out.stderr and "RuntimeError: bug in BrokenOnException.on_exception" in out.stderr
+    assert "fewer than one global batch" in out.stderr, "the user error stays visible as the bug's context"
