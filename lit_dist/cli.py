@@ -215,48 +215,66 @@ def _dispatch(argv: list[str]) -> int | None:
 
         CLI(function, args=argv[1:], prog=prog, exit_on_error=False)
         return int(ExitCode.OK)
-    # The command's own flags, its parameters after the run config: --name for a bool, --name VALUE for others.
+    # The command's own flags, its parameters after `cli`, parsed by jsonargparse from its signature.
     own, rest = _own_flags(function, argv[1:])
-    cli = RunConfigCLI(args=rest, run=False, parser_kwargs={"prog": prog, "description": _describe(function)})
+    from jsonargparse import DefaultHelpFormatter
+
+    # The description holds the own flags' help as jsonargparse lays it out: keep its lines.
+    formatter = type("Formatter", (argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter), {})
+    cli = RunConfigCLI(args=rest, run=False, parser_kwargs={"prog": prog, "description": _describe(function),
+                                                            "formatter_class": formatter})
     cli.args = rest  # the run config's own arguments, for a command that starts fits of it
     return function(cli, **own)
 
 
+def _own_parser(function):
+    """A jsonargparse parser of a run-config command's own arguments: its parameters after ``cli``, typed and
+    described by its signature and docstring, as jsonargparse's ``CLI`` does for the other commands."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False, add_help=False)
+    parser.add_function_arguments(function, skip={next(iter(inspect.signature(function).parameters))}, as_group=False)
+    return parser
+
+
 def _own_flags(function, argv: list[str]) -> tuple[dict, list[str]]:
-    """(the command's own arguments by name, the rest of argv: the run config's)."""
+    """(the command's own arguments by name, the rest of argv: the run config's).
+
+    ``--name VALUE`` or ``--name=VALUE``, parsed and checked by jsonargparse (a bad value raises its
+    ArgumentError: exit code 2); a bool may also be given alone, ``--check`` for ``--check true``.
+    """
     parameters = {f"--{p.name}": p for p in list(inspect.signature(function).parameters.values())[1:]}
-    own, rest, i = {}, [], 0
+    own, rest, i = [], [], 0
     while i < len(argv):
-        name, _, inline = argv[i].partition("=")
+        name, equals, _ = argv[i].partition("=")
         parameter = parameters.get(name)
-        if parameter is None:
-            rest.append(argv[i])
-        elif parameter.annotation is bool or isinstance(parameter.default, bool):
-            own[parameter.name] = True
-        else:
-            if not inline and i + 1 >= len(argv):
-                raise ConfigError(f"{name} needs a value")
-            value = inline or argv[i + 1]
-            i += 0 if inline else 1
-            kind = type(parameter.default) if parameter.default not in (None, inspect.Parameter.empty) else str
-            try:
-                own[parameter.name] = kind(value)
-            except ValueError:
-                raise ConfigError(f"{name} {value!r}: must be {kind.__name__}") from None
-        i += 1
-    return own, rest
+        if parameter is None or equals:
+            (rest if parameter is None else own).append(argv[i])
+            i += 1
+            continue
+        is_bool = parameter.annotation is bool or isinstance(parameter.default, bool)
+        # After a bool, a word without a dash is its value: no argument of the run config is one.
+        if i + 1 < len(argv) and not (is_bool and argv[i + 1].startswith("-")):
+            own += argv[i : i + 2]
+            i += 2
+        else:  # alone: a bool is set; any other flag lacks its value, which jsonargparse reports
+            own.append(f"{name}=true" if is_bool else name)
+            i += 1
+    values = _own_parser(function).parse_args(own)
+    return {name[2:]: values[name[2:]] for name in parameters}, rest
 
 
 def _describe(function) -> str:
-    """A run-config command's ``--help`` description: its docstring's summary and its own flags."""
-    from docstring_parser import parse  # jsonargparse[signatures] reads docstrings with it too
+    """A run-config command's ``--help`` description: its docstring before ``Args:``, each paragraph filled to the
+    terminal's width as argparse fills text, then its own flags' help as jsonargparse lays it out."""
+    import shutil
+    import textwrap
 
-    doc = parse(inspect.getdoc(function) or "")
-    defaults = {p.name: p.default for p in inspect.signature(function).parameters.values()}
-    flags = [f"--{p.arg_name}" + ("" if isinstance(defaults.get(p.arg_name), bool) else " VALUE")
-             + f": {p.description}" + ("" if defaults.get(p.arg_name) in (None, False) else f" (default {defaults[p.arg_name]})")
-             for p in doc.params[1:]]
-    return "\n".join(filter(None, [doc.short_description, doc.long_description, *flags]))
+    width = shutil.get_terminal_size().columns - 2  # argparse's HelpFormatter width
+    text = (inspect.getdoc(function) or "").partition("\nArgs:")[0].strip()
+    paragraphs = [textwrap.fill(" ".join(p.split()), width) for p in text.split("\n\n") if p.strip()]
+    flags = _own_parser(function).format_help().partition("options:\n")[2].rstrip()
+    return "\n\n".join([*paragraphs, *([f"its own options:\n{flags}"] if flags else [])])
 
 
 def _user_error(exc: BaseException | None) -> LitDistError | None:

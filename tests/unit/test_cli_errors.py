@@ -29,3 +29,37 @@ def test_a_bug_raised_while_a_user_error_is_handled_shows_its_traceback(tmp_path
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" in out.stderr and "RuntimeError: bug in BrokenOnException.on_exception" in out.stderr
     assert "fewer than one global batch" in out.stderr, "the user error stays visible as the bug's context"
+
+
+def cache_command(tmp_path, demo_data, *flags):
+    return lit_dist("cache", *quickstart_args(tmp_path, demo_data, data__num_workers=0), "--data.cache.dir",
+                    str(tmp_path / "cache"), "--data.cache.pixels", "true", *flags)
+
+
+@pytest.mark.parametrize("flags, builds", [(["--check=false"], True), (["--check", "false"], True),
+                                           (["--check"], False), (["--check=true"], False), (["--check", "yes"], False)])
+def test_a_bool_flag_of_a_command_takes_its_value(tmp_path, demo_data, flags, builds):
+    out = cache_command(tmp_path, demo_data, *flags)
+    if builds:
+        assert out.returncode == 0 and "lit-dist cache: built" in out.stdout, out.stdout + out.stderr[-3000:]
+    else:  # the report on a cache not built yet
+        assert out.returncode == 3 and "no cache at" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert (tmp_path / "cache").exists() == builds
+
+
+@pytest.mark.parametrize("command, flags, named", [
+    ("cache", ["--check=maybe"], "check"), ("cache", ["--check", "maybe"], "check"),
+    ("scale", ["--steps", "many"], "steps"), ("scale", ["--steps"], "--steps: expected one argument")])
+def test_a_bad_value_of_a_command_s_own_flag_is_a_configuration_error(tmp_path, demo_data, command, flags, named):
+    out = lit_dist(command, *quickstart_args(tmp_path, demo_data), *flags)
+    assert out.returncode == 2, out.stderr[-3000:]
+    first = out.stderr.splitlines()[0]
+    assert first.startswith("lit-dist: error:") and named in first and "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_command_s_help_lists_its_own_flags_from_its_signature():
+    out = lit_dist("scale", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "its own options:" in out.stdout and "--trainer.devices" in out.stdout
+    assert "--steps STEPS" in out.stdout and "(type: int, default: 60)" in " ".join(out.stdout.split())
+    assert "--check {true,false}" in lit_dist("cache", "--help").stdout
