@@ -4,7 +4,8 @@ lit-dist's own commands live one per module in this folder. A command whose argu
 function's typed signature and docstring (``index``, ``export``) is run by jsonargparse's ``CLI``.
 A command that takes the run config like ``fit`` (``plan``, ``cache``) gets it parsed, with the
 model and data module built and no Trainer (``cli.instantiate_trainer()`` builds one), plus its
-own flags: the function's further parameters, ``--name`` for a bool, ``--name VALUE`` for others.
+own flags: the function's further parameters, parsed by jsonargparse from its signature like the
+other commands' arguments (``--name VALUE`` or ``--name=VALUE``; a bool alone, ``--check``, means true).
 """
 
 import importlib
