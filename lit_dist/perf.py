@@ -4,28 +4,51 @@
   backward per batch shape (buckets differ in shape and cost), per sample. Like the MFU convention of
   the field (PaLM, Megatron), they count matrix multiplications and convolutions of forward and backward,
   not the optimizer, norms or elementwise work.
-- Peaks are the dense BF16 tensor-core figures of the vendors' data sheets (no sparsity); MFU against
-  them. Any other device, or another precision: ``peak_tflops`` in the config.
+- Peaks are the dense figures (no sparsity) of the vendors' data sheets for the dtype the run's matrix
+  products run in: bf16 or fp16 under mixed or true half precision, TF32 (or bf16) for float32 unless
+  ``torch.set_float32_matmul_precision("highest")``, true fp32 then; MFU against them. Any other
+  device or precision (fp64, fp8): ``peak_tflops`` in the config.
 """
 
 import time
 from dataclasses import dataclass, field, replace
 
-# TFLOP/s, dense BF16, by a fragment of torch.cuda.get_device_name(); the first match wins (PCIe before SXM).
+# TFLOP/s of dense matrix math by the dtype it runs in, by a fragment of torch.cuda.get_device_name(); the first
+# match wins (PCIe before SXM). Lightning's table (lightning.fabric.utilities.throughput.get_available_flops) has
+# the same dtypes but gives H200 figures with sparsity and matches no plain "NVIDIA H200", reads an L40S as an
+# L4, and knows no AMD GPU. MI250X has no TF32: float32 products run on its fp32 matrix cores.
+#                 fp32    tf32    bf16    fp16
 PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100", 989.4),  # SXM and NVL report "H100 80GB HBM3" / "H100 NVL"
-    ("H200", 989.4),
-    ("A100", 312.0),
-    ("L40S", 362.1),
-    ("MI300X", 1307.4),
-    ("MI250X", 383.0),
+    ("H100 PCIe", (51.2, 378.0, 756.0, 756.0)),
+    ("H100", (66.9, 494.7, 989.4, 989.4)),  # SXM and NVL report "H100 80GB HBM3" / "H100 NVL"
+    ("H200", (67.0, 494.7, 989.4, 989.4)),
+    ("A100", (19.5, 156.0, 312.0, 312.0)),
+    ("L40S", (91.6, 183.0, 362.1, 362.1)),
+    ("MI300X", (163.4, 653.7, 1307.4, 1307.4)),
+    ("MI250X", (95.7, 95.7, 383.0, 383.0)),
 )
+DTYPES = ("fp32", "tf32", "bf16", "fp16")
 
 
-def peak_tflops(device_name: str) -> float | None:
-    """The dense BF16 peak of a GPU named ``device_name`` (torch.cuda.get_device_name()), or None if unknown."""
-    return next((peak for fragment, peak in PEAK_TFLOPS if fragment.lower() in device_name.lower()), None)
+def matmul_dtype(precision: str, float32_matmul_precision: str) -> str | None:
+    """The dtype a run's matrix products run in, from ``trainer.precision`` ("bf16-mixed", "16-true", "32-true",
+    ...) and ``torch.get_float32_matmul_precision()``; None for fp64 and fp8 (Transformer Engine)."""
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16") or precision == "transformer-engine-float16":
+        return "fp16"
+    if precision.startswith("32"):
+        return {"highest": "fp32", "high": "tf32", "medium": "bf16"}[float32_matmul_precision]
+    return None
+
+
+def peak_tflops(device_name: str, precision: str, float32_matmul_precision: str) -> float | None:
+    """The dense peak of a GPU named ``device_name`` (torch.cuda.get_device_name()) for a run at ``precision``
+    (``trainer.precision``) and ``float32_matmul_precision``, or None if unknown."""
+    dtype = matmul_dtype(precision, float32_matmul_precision)
+    peaks = next((peaks for fragment, peaks in PEAK_TFLOPS if fragment.lower() in device_name.lower()), None)
+    return peaks[DTYPES.index(dtype)] if peaks is not None and dtype is not None else None
 
 
 class FlopMeter:

@@ -8,8 +8,8 @@ loop, tensor shapes, a FLOP count taken once per batch shape):
 ``throughput/samples_per_s``                 the job's samples per second (every rank trains as many)
 ``throughput/samples_per_s_per_device``      this device's
 ``throughput/tflops_per_device``             model FLOPs (forward and backward) per second per device
-``throughput/mfu``                           the same against the device's peak (table in lit_dist.perf,
-                                             or ``peak_tflops``); on CPU only with ``peak_tflops``
+``throughput/mfu``                           the same against the device's peak at the run's precision (table
+                                             in lit_dist.perf, or ``peak_tflops``); on CPU only with ``peak_tflops``
 ``throughput/data_wait``                     share of the loop's wall time between one step's end and the next
                                              one's start: the wait for the batch, and the loop's own work
 ``throughput/samples_per_s_bucket_WxH``      per bucket shape (time from a batch's start to its end)
@@ -53,7 +53,7 @@ class Progress(Callback):
 
         Args:
             log_every_s: Seconds between progress lines when the bar is off (stdout not a terminal, or bar: never).
-            peak_tflops: Peak TFLOP/s of one device for MFU; default: from the GPU's name (dense BF16 peak).
+            peak_tflops: Peak TFLOP/s of one device for MFU; default: from the GPU's name and the run's precision.
             bar: Lightning's progress bar: auto (only when stdout is a terminal), always or never.
         """
         problems = []
@@ -130,7 +130,9 @@ class Progress(Callback):
 
         self._lines = trainer.is_global_zero and trainer.progress_bar_callback is None
         device = trainer.strategy.root_device
-        self._peak = self.peak_tflops or (peak_tflops(torch.cuda.get_device_name(device))
+        # The peak of the dtype the matrix products run in: bf16/fp16 under half precision, TF32 or fp32 for float32.
+        self._peak = self.peak_tflops or (peak_tflops(torch.cuda.get_device_name(device), trainer.precision,
+                                                      torch.get_float32_matmul_precision())
                                           if device.type == "cuda" else None)
         # inf: no end (max_epochs -1); max_steps, so -1 without it, for a loader without a length: no total, no ETA
         estimate = trainer.estimated_stepping_batches

@@ -74,13 +74,24 @@ def test_mfu_from_a_configured_peak_and_per_bucket_throughput():
 
 
 def test_peaks_by_gpu_name_and_bad_settings():
-    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
-    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
-    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
-    assert peak_tflops("AMD Instinct MI300X") == 1307.4
-    assert peak_tflops("NVIDIA GeForce GTX 1080") is None
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16-mixed", "high") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16-mixed", "high") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "bf16-mixed", "high") == 312.0
+    assert peak_tflops("AMD Instinct MI300X", "bf16-mixed", "high") == 1307.4
+    assert peak_tflops("NVIDIA GeForce GTX 1080", "bf16-mixed", "high") is None
     with pytest.raises(ConfigError, match="progress.peak_tflops: -1"):
         Progress(peak_tflops=-1)
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_the_peak_follows_the_precision_the_matrix_products_run_in(gpu):
+    # An fp32 run measured against the bf16 peak would show an MFU 2x (TF32) to 16x (true fp32) too low.
+    bf16 = peak_tflops(gpu, "bf16-mixed", "high")
+    assert peak_tflops(gpu, "bf16-true", "highest") == bf16 == peak_tflops(gpu, "16-mixed", "high")
+    assert peak_tflops(gpu, "32-true", "high") == bf16 / 2  # TF32 tensor cores (lit-dist's default)
+    assert peak_tflops(gpu, "32-true", "highest") < bf16 / 10  # true float32: no tensor cores
+    assert peak_tflops(gpu, "32-true", "medium") == bf16  # float32 products done in bf16
+    assert peak_tflops(gpu, "64-true", "high") is None  # not in the table: progress.peak_tflops
 
 
 class Stream(torch.utils.data.IterableDataset):
