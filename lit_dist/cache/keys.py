@@ -68,13 +68,17 @@ def entry_keys(samples: np.ndarray, identity: np.ndarray, bucket_sizes: np.ndarr
 
 
 def identity_hash(sizes: np.ndarray | None, mtimes: np.ndarray | None = None, etags=None) -> np.ndarray:
-    """One uint64 per source file from its size and modification time (seconds, float) or its ETag."""
+    """One uint64 per source file from its size and modification time (seconds, float; to the microsecond) or its
+    ETag."""
     if etags is not None:
         h = name_hashes(etags)
         return h if sizes is None else _combine(h, sizes)
     h = _finalize(np.asarray(sizes).astype(np.uint64).copy())
     if mtimes is not None:
-        # Nanoseconds, rounded: float seconds survive a parquet round trip exactly, not a float->int cast of noise.
+        # Microseconds, rounded. mtimes arrive as float64 seconds (os.stat's st_mtime through fsspec, the table's
+        # mtime column), which carry about 0.24 us at today's epoch (53-bit mantissa): a microsecond is the finest
+        # step the float records, so a file rewritten within the same second is a new key; rounding, not
+        # truncating, keeps a float one ulp off the same key (a float->int cast of ns would key on that noise).
         h = _combine(h, np.round(np.asarray(mtimes, dtype=np.float64) * 1e6).astype(np.int64).view(np.uint64))
     return h
 
