@@ -19,8 +19,9 @@ import json
 import numpy as np
 
 from lit_dist.data.names import name_hashes
+from lit_dist.hashing import GOLDEN_GAMMA, MIX1, MIX2
 
-_M = np.uint64(0x9E3779B97F4A7C15)
+_M = np.uint64(GOLDEN_GAMMA)
 PIXEL_RULE = {
     # How a pixel entry is made; any change here must change the fingerprint.
     "version": 1,
@@ -38,9 +39,9 @@ def fingerprint(description: dict) -> str:
 def _finalize(h: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, in place: every input bit affects every output bit."""
     h ^= h >> np.uint64(30)
-    h *= np.uint64(0xBF58476D1CE4E5B9)
+    h *= np.uint64(MIX1)
     h ^= h >> np.uint64(27)
-    h *= np.uint64(0x94D049BB133111EB)
+    h *= np.uint64(MIX2)
     h ^= h >> np.uint64(31)
     return h
 

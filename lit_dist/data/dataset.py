@@ -11,6 +11,8 @@ import re
 import numpy as np
 import torch
 
+from lit_dist.hashing import GOLDEN_GAMMA, MASK64, MIX1, MIX2
+
 log = logging.getLogger(__name__)
 
 
@@ -219,9 +221,6 @@ def _batch_buffer(shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
     return tensor, tensor.numpy()
 
 
-_MASK64 = (1 << 64) - 1
-
-
 def crop_offsets(seed: int, epoch: int, index: int, free_x: int, free_y: int) -> tuple[int, int]:
     """The random crop's (left, top), in 0..free_x and 0..free_y, from (seed, epoch, index) alone: the two
     32-bit halves of splitmix64's finaliser over a combination of the three.
@@ -230,9 +229,10 @@ def crop_offsets(seed: int, epoch: int, index: int, free_x: int, free_y: int) ->
     SeedSequence) cost 12-25 us a sample, a tenth of reading one from a cache; this costs under 1 us. Taking
     32 bits modulo at most a few thousand positions, the offsets' bias is below 1e-6.
     """
-    word = (seed * 0x9E3779B97F4A7C15 + epoch * 0xD1B54A32D192ED03 + index * 0xBF58476D1CE4E5B9) & _MASK64
-    word = ((word ^ (word >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    word = ((word ^ (word >> 27)) * 0x94D049BB133111EB) & _MASK64
+    # 0xD1B5...: one more odd constant, so that seed, epoch and index each have their own multiplier.
+    word = (seed * GOLDEN_GAMMA + epoch * 0xD1B54A32D192ED03 + index * MIX1) & MASK64
+    word = ((word ^ (word >> 30)) * MIX1) & MASK64
+    word = ((word ^ (word >> 27)) * MIX2) & MASK64
     word ^= word >> 31
     return (word & 0xFFFFFFFF) % (free_x + 1), (word >> 32) % (free_y + 1)
 

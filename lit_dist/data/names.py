@@ -9,8 +9,10 @@ that need one.
 
 import numpy as np
 
+from lit_dist.hashing import GOLDEN_GAMMA, MIX1, MIX2
+
 # Odd 64-bit constants of splitmix64 / the golden ratio: multiplication by them spreads every input bit upward.
-_M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_M1, _M2, _M3 = np.uint64(GOLDEN_GAMMA), np.uint64(MIX1), np.uint64(MIX2)
 _COLON, _DOT, _SLASH, _BACKSLASH = 58, 46, 47, 92
 
 

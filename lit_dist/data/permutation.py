@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lit_dist.hashing import MIX1, MIX2
+
 ROUNDS = 4  # Luby-Rackoff: 4 rounds of a good round function give a pseudo-random permutation
 MATERIALISE_BELOW = 1 << 16
 
@@ -35,7 +37,7 @@ def permute(positions: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
     half = dtype(bits // 2)
     mask = dtype((1 << (bits // 2)) - 1)
     # Multiply-xorshift round function (murmur3's finaliser, and splitmix64's for 64 bits).
-    m1, m2, s1, s2 = ((0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 31, 29) if wide else (0x85EBCA6B, 0xC2B2AE35, 16, 13))
+    m1, m2, s1, s2 = ((MIX1, MIX2, 31, 29) if wide else (0x85EBCA6B, 0xC2B2AE35, 16, 13))
     m1, m2, s1, s2 = dtype(m1), dtype(m2), dtype(s1), dtype(s2)
 
     def encrypt(x: np.ndarray) -> np.ndarray:
