@@ -313,12 +313,24 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _rank() -> int:
+    """This process's global rank (for messages), from the process group or the launcher's environment."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-dist`` console script."""
     argv = _drop_local_rank(sys.argv[1:] if args is None else args)
     try:
+        from lit_dist import compat, processes
         from lit_dist.noise import silence_lightning_noise
 
+        processes.join_launcher()
+        compat.observe_child_ranks(processes.ChildRanks.start_for)
         silence_lightning_noise()
         code = _dispatch(argv)
         if code is not None:
@@ -336,8 +348,13 @@ def main(args: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(int(ExitCode.CONFIG_ERROR))
     except Exception as exc:
-        err = _user_error(exc)
+        from lit_dist import processes
+
+        err = _user_error(exc) or processes.worker_death(exc, _rank())
         if err is None:
+            # A child rank that died first broke this rank's collective: its end is the run's.
+            if (code := processes.blame_child()) is not None:
+                processes.end_run(code)  # no unwinding: the process group has a dead member
             raise
         print(f"lit-dist: error: {err}", file=sys.stderr)
         _leave_process_group()

@@ -18,6 +18,7 @@ function                                Lightning internal
 ``set_data_parallel``                   ``ModelParallelStrategy._data_parallel_size`` and ``_tensor_parallel_size``
 ``collective_timeout_s``                ``strategy._timeout`` (DDP, FSDP, DeepSpeed, ModelParallel)
 ``collectives_issued``                  ``ProcessGroup._get_sequence_number_for_group`` (torch, not Lightning)
+``observe_child_ranks``                 ``launchers.subprocess_script._launch_process_observer``
 ======================================  ==========================================================
 """
 
@@ -162,3 +163,14 @@ def collectives_issued() -> int:
         return int(dist.distributed_c10d._get_default_group()._get_sequence_number_for_group())
     except (AttributeError, RuntimeError):
         return -1
+
+
+def observe_child_ranks(start) -> None:
+    """Have Lightning's launcher call ``start(procs)`` with the ranks it starts as children of this process,
+    instead of starting its own observer (which SIGKILLs every rank, this one included, when a child ends with
+    any non-zero code, so the job's exit code no longer says what happened)."""
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    with _internal("launchers.subprocess_script._launch_process_observer"):
+        subprocess_script._launch_process_observer  # noqa: B018 - fails here, not at launch, if renamed
+    subprocess_script._launch_process_observer = start

@@ -1,7 +1,7 @@
 """Exit codes and the errors that carry them.
 
 Every code is documented in README.md ("Exit codes"). The GPU-fault,
-preemption, hang, straggler and preflight codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
+preemption, hang, straggler, preflight and process-died codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
 255, so an orchestrator can tell them from everything else.
 """
 
@@ -19,6 +19,7 @@ class ExitCode(IntEnum):
     HUNG = 12  # a rank made no progress for the watchdog's timeout: stacks dumped, job requeued under Slurm
     STRAGGLER = 13  # saved and requeued without the node of a persistently slow rank (straggler.exclude_node)
     PREFLIGHT = 14  # the preflight measured a rank or node below preflight.min_fraction of the median
+    PROCESS_DIED = 15  # a rank or a data loader worker died (a signal, e.g. the out-of-memory killer): resume the run
 
 
 class LitDistError(Exception):

@@ -56,7 +56,9 @@ def lit_dist(*args: str, cwd: Path | None = None, timeout: float = 300, env: dic
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
         pytest.fail(f"`lit-dist {' '.join(args)}` hung for {timeout} s; the stacks of its processes:\n{stderr[-20000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    done.pid = proc.pid  # its session's id: tests.helpers.processes finds what the run left behind by it
+    return done
 
 
 def quickstart_args(root_dir: Path | None = None, metadata: Path | None = None, *configs: Path, **overrides) -> list[str]:

@@ -20,12 +20,20 @@ Every rank runs one thread that
   ``run.hung`` and (under Slurm, ``requeue``)
   requeues the job; then every process exits with code 12, so the scheduler can restart the job at once.
 
-It arms after the first optimizer step: start-up and the first step (compilation, warm-up) are under
-the collective timeout as before. From the start of a validation or a checkpoint save until the next
-training batch starts, the limit is half the collective timeout (a large model's save takes minutes). Configured by the CLI's ``watchdog`` group::
+It starts with fit (the callbacks' ``setup``): until the first optimizer step finishes, the limit is
+``startup_timeout_s`` (default half the collective timeout: start-up, the sanity check and the first step,
+compilation and warm-up included), so a rank stuck before its first step is named too. A rank that never
+published its progress counts as the one behind. From the start of a validation or a checkpoint save until the
+next training batch starts, the limit is half the collective timeout (a large model's save takes minutes).
+
+A rank stuck while holding the interpreter lock runs no Python thread, this one included: its last resort
+(lit_dist/last_resort.py) dumps its stacks from C ``last_resort_after_s`` after its own deadline and exits 12
+two seconds later. The rank that declares the hang waits for the dumps of the ranks behind (at most that long)
+before it exits, so every rank's stacks are on disk. Configured by the CLI's ``watchdog`` group::
 
     watchdog:
       timeout_s: 600          # fixed; default: derived from the step times
+      startup_timeout_s: 900  # from the start of fit to the first finished step
       heartbeat_s: 5
 """
 
@@ -42,12 +50,13 @@ from lightning.pytorch import Callback
 from lit_dist import compat
 from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError, ExitCode
+from lit_dist.last_resort import EXIT_AFTER_DUMP_S, LastResort
 from lit_dist.slurm import check_exclusion
 
 log = logging.getLogger(__name__)
 
-# Where a rank is in the step after its last finished one, in order.
-PHASES = ("waiting for the batch", "forward", "backward", "optimizer step")
+# Where a rank is in the step after its last finished one, in order ("starting": before its first batch).
+PHASES = ("starting", "waiting for the batch", "forward", "backward", "optimizer step")
 _KEY = "lit-dist/watchdog"
 
 
@@ -56,7 +65,7 @@ class HangWatchdog(Callback):
 
     def __init__(self, enabled: bool = True, timeout_s: float | None = None, min_timeout_s: float = 300.0,
                  step_factor: float = 20.0, heartbeat_s: float = 5.0, requeue: bool = True,
-                 exclude_node: bool = False):
+                 exclude_node: bool = False, startup_timeout_s: float | None = None):
         """Hang watchdog settings.
 
         Args:
@@ -67,6 +76,7 @@ class HangWatchdog(Callback):
             heartbeat_s: Seconds between writes of this rank's progress to the rendezvous store (and checks for another rank's hang).
             requeue: Under Slurm, requeue the job when a hang ends it (scontrol requeue), to restart from its last checkpoint.
             exclude_node: Under Slurm, when the ranks behind are all on one node, requeue the job without that node.
+            startup_timeout_s: Seconds from the start of fit to the first finished optimizer step that mean a hang; default: half the collective timeout.
         """
         problems = []
         if timeout_s is not None and timeout_s <= 0:
@@ -75,6 +85,9 @@ class HangWatchdog(Callback):
             problems.append(f"watchdog.min_timeout_s = {min_timeout_s}: must be positive (seconds)")
         if step_factor < 2:
             problems.append(f"watchdog.step_factor = {step_factor}: below 2, an ordinary slow step would count as a hang")
+        if startup_timeout_s is not None and startup_timeout_s <= 0:
+            problems.append(f"watchdog.startup_timeout_s = {startup_timeout_s}: must be positive (seconds), or null for "
+                            "half the collective timeout")
         if heartbeat_s <= 0:
             problems.append(f"watchdog.heartbeat_s = {heartbeat_s}: must be positive (seconds)")
         elif timeout_s is not None and heartbeat_s * 2 > timeout_s:
@@ -89,13 +102,15 @@ class HangWatchdog(Callback):
         self.heartbeat_s = heartbeat_s
         self.requeue = requeue
         self.exclude_node = exclude_node
+        self.startup_timeout_s = startup_timeout_s
         self._control: RunControl | None = None
         self._step = 0
         self._phase = 0
         self._progress_at = time.monotonic()  # when the last optimizer step finished
         self._step_started = time.monotonic()
         self._slowest = 0.0  # seconds of the slowest optimizer step so far
-        self._armed = False
+        self._armed = False  # the first optimizer step finished: the step timeouts apply
+        self._last_resort: LastResort | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hanging = False  # the watchdog thread is ending the process
@@ -108,15 +123,15 @@ class HangWatchdog(Callback):
     # -- the training thread: two integers and a clock -----------------------------------------
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._phase = 1
+        self._phase = 2
         if self._relaxed:  # a save or validation came before this batch: the step's clock starts now
             self._relaxed, self._progress_at = False, time.monotonic()
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self._phase = 2
+        self._phase = 3
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._phase = 3
+        self._phase = 4
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -125,8 +140,11 @@ class HangWatchdog(Callback):
         now = time.monotonic()
         if self._armed:
             self._slowest = max(self._slowest, now - self._progress_at)
-        self._step, self._phase, self._progress_at = step, 0, now
-        self._armed = True
+        self._step, self._phase, self._progress_at = step, 1, now
+        if not self._armed:
+            self._armed = True
+            if self._last_resort is not None:  # from the start-up deadline to the (much shorter) step one, now:
+                self._last_resort.arm(self.timeout() + self.last_resort_after_s())  # the thread may not run again
 
     # Validation and checkpoint saves have no optimizer step and may take long (a large model's save
     # takes minutes): until the next training batch starts, the limit is half the collective timeout.
@@ -138,28 +156,34 @@ class HangWatchdog(Callback):
 
     # -- start and stop ----------------------------------------------------------------------------
 
-    def on_train_start(self, trainer, pl_module) -> None:
-        if not self.enabled:
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not self.enabled or stage != "fit":
             return
         collective = compat.collective_timeout_s(trainer.strategy)
         self._limit = collective / 2
-        if self.timeout_s is not None and self.timeout_s >= collective:
-            raise ConfigError(f"watchdog.timeout_s = {self.timeout_s}: at or above the collective timeout "
-                              f"({collective:.0f} s), the collective would time out first; use at most {self._limit:.0f}")
+        for name in ("timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value >= collective:
+                raise ConfigError(f"watchdog.{name} = {value}: at or above the collective timeout ({collective:.0f} s), "
+                                  f"the collective would time out first; use at most {self._limit:.0f}")
         self._step, self._phase, self._armed, self._relaxed = trainer.global_step, 0, False, False
         self._progress_at = time.monotonic()
         self._stop.clear()
+        self._last_resort = LastResort(_hang_file(trainer.default_root_dir, trainer.global_rank))
         self._thread = threading.Thread(target=self._watch, args=(trainer,), name="lit-dist-watchdog", daemon=True)
         self._thread.start()
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._halt()
 
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._halt()
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         # A collective that failed because a hung job's other ranks are exiting: end as they do, with 12.
         if self._hanging:
             self._thread.join()  # it ends the process
-        stuck = self._armed and time.monotonic() - self._progress_at > self.heartbeat_s  # not a prompt error
+        stuck = time.monotonic() - self._progress_at > self.heartbeat_s  # not a prompt error
         if self._thread is not None and stuck and self._declared(trainer):
             self._stop.set()
             self._hang(trainer, None, noticed=False)
@@ -177,11 +201,16 @@ class HangWatchdog(Callback):
         if self._thread is not None:
             self._thread.join(timeout=self.heartbeat_s + 5)
             self._thread = None
+        if self._last_resort is not None and not self._hanging:
+            self._last_resort.close()
+            self._last_resort = None
 
     # -- the watchdog thread ----------------------------------------------------------------------
 
     def timeout(self) -> float:
         """Seconds without a finished step that count as a hang, now."""
+        if not self._armed:
+            return self.startup_timeout_s or max(self._limit or 900.0, self.timeout_s or 0.0)
         if self._relaxed and self._limit:
             return max(self._limit, self.timeout_s or 0.0)
         if self.timeout_s is not None:
@@ -189,13 +218,24 @@ class HangWatchdog(Callback):
         derived = max(self.min_timeout_s, self.step_factor * self._slowest)
         return min(derived, self._limit) if self._limit else derived
 
+    def last_resort_after_s(self) -> float:
+        """Seconds past its own deadline after which a rank that cannot run this thread dumps and exits: long
+        enough for this thread, when it runs, to declare the hang and disarm the last resort first."""
+        return 2 * self.heartbeat_s + 5.0
+
     def _watch(self, trainer) -> None:
         rank, world = trainer.global_rank, trainer.world_size
         store = _store() if world > 1 else None
         poll = min(1.0, self.heartbeat_s)
         next_beat = 0.0
+        armed_for = None
         while not self._stop.wait(poll):
             now = time.monotonic()
+            # Pushed forward while this thread runs; fires when it cannot (the interpreter lock held).
+            deadline = self._progress_at + self.timeout() + self.last_resort_after_s()
+            if armed_for is None or abs(deadline - armed_for) > 0.5:
+                self._last_resort.arm(deadline - now)
+                armed_for = deadline
             declared = False
             if store is not None and now >= next_beat:
                 next_beat = now + self.heartbeat_s
@@ -204,13 +244,15 @@ class HangWatchdog(Callback):
                     declared = store.check([f"{_KEY}/hung"])
                 except Exception as exc:  # noqa: BLE001 - the store is gone: the job is ending anyway
                     log.debug("lit-dist watchdog: store unreachable (%s)", exc)
-            stalled = self._armed and now - self._progress_at > self.timeout()
+            stalled = now - self._progress_at > self.timeout()
             if stalled or declared:
                 self._hang(trainer, store, noticed=stalled and not declared)
                 return
 
     def _hang(self, trainer, store, noticed: bool) -> None:
         self._hanging = True
+        if self._last_resort is not None:
+            self._last_resort.disarm()  # this thread runs: it ends the process itself
         rank, world = trainer.global_rank, trainer.world_size
         waited = time.monotonic() - self._progress_at
         first = noticed
@@ -219,14 +261,14 @@ class HangWatchdog(Callback):
                 first = store.add(f"{_KEY}/hung", 1) == 1
             except Exception:  # noqa: BLE001
                 first = True
-        path = _dump_stacks(trainer.default_root_dir, rank, self._step, self._phase, waited)
+        path = _dump_stacks(_hang_file(trainer.default_root_dir, rank), rank, self._step, self._phase, waited)
         if first:
             behind, progress = _behind(store, world, rank, self._step, self._phase)
             node_of = (lambda r: self._control.where(r)["node"]) if self._control is not None else (lambda r: None)
             names = ", ".join(f"{r} ({node_of(r)})" if node_of(r) else str(r) for r in behind) or \
                 "none (every rank at the same point)"
-            where = "; ".join(f"rank {r}: {c} collectives, step {s + 1} {PHASES[p]}"
-                              for r, (c, s, p) in sorted(progress.items()))
+            where = "; ".join(f"rank {r}: {c} collectives, step {s + 1} {PHASES[p]}" if s >= 0 else
+                              f"rank {r}: never published its progress" for r, (c, s, p) in sorted(progress.items()))
             outcome = "not requeued"
             nodes = sorted({node_of(r) for r in behind} - {None})
             if self.requeue:
@@ -234,8 +276,10 @@ class HangWatchdog(Callback):
 
                 exclude = nodes if self.exclude_node and len(nodes) == 1 else []  # only when one node is to blame
                 outcome = requeue(exclude=exclude) if job_id() else "not a Slurm job"
-            message = (f"no optimizer step for {waited:.0f} s (timeout {self.timeout():.0f} s); ranks behind: {names}; "
-                       f"{where}; stacks in {os.path.dirname(path)}; {outcome}")
+            stalled = (f"no optimizer step for {waited:.0f} s (timeout {self.timeout():.0f} s)" if self._armed else
+                       f"no first optimizer step {waited:.0f} s after the start of fit (watchdog.startup_timeout_s: "
+                       f"{self.timeout():.0f} s)")
+            message = f"{stalled}; ranks behind: {names}; {where}; stacks in {os.path.dirname(path)}; {outcome}"
             print(f"lit-dist: hang: {message}", file=sys.stderr, flush=True)
             if self._control is not None:
                 self._control.publish(Event("run.hung", "critical", f"Hang at step {self._step + 1}", message,
@@ -247,9 +291,11 @@ class HangWatchdog(Callback):
         else:
             print(f"lit-dist: hang declared by another rank: rank {rank} stacks in {path}", file=sys.stderr, flush=True)
         if store is not None:
-            # Every rank sees the declaration on its next heartbeat and dumps its stacks: leaving before then
-            # would break the others' collectives (and the store, if this is rank 0) under them.
-            time.sleep(min((2 if first else 1) * self.heartbeat_s + 1, 30.0))
+            # Every rank sees the declaration on its next heartbeat and dumps its stacks; a rank holding the
+            # interpreter lock dumps from its last resort: leaving before then would break the others'
+            # collectives (and the store, if this is rank 0) under them, or kill the children unheard.
+            wait = self.last_resort_after_s() + EXIT_AFTER_DUMP_S + 2 * self.heartbeat_s + 1
+            _await_dumps(trainer.default_root_dir, world, time.monotonic() + min(wait, 60.0))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(int(ExitCode.HUNG))  # the training thread may be stuck in a collective: no unwinding
@@ -271,21 +317,36 @@ def _behind(store, world: int, rank: int, step: int, phase: int) -> tuple[list[i
     for other in range(world):
         if other == rank or store is None:
             continue
-        try:
-            value = store.get(f"{_KEY}/progress/{other}").decode().split()
-            progress[other] = (int(value[0]), int(value[1]), int(value[2]))
-        except Exception:  # noqa: BLE001 - never published: it never finished its first heartbeat
-            progress[other] = (-1, -1, 0)
+        key = f"{_KEY}/progress/{other}"
+        try:  # check first: the store's get waits for a missing key until the store's own timeout
+            value = store.get(key).decode().split() if store.check([key]) else None
+        except (RuntimeError, ValueError, OSError):  # the store went away (its host rank ended): nothing known
+            value = None
+        # A rank that never published (stuck before its watchdog's first heartbeat) is the least advanced.
+        progress[other] = (int(value[0]), int(value[1]), int(value[2])) if value else (-1, -1, 0)
     least = min(progress.values())
     behind = [r for r, p in sorted(progress.items()) if p == least]
     return ([] if len(behind) == len(progress) else behind), progress
 
 
-def _dump_stacks(run_dir: str, rank: int, step: int, phase: int, waited: float) -> str:
-    """Write every thread's Python stack to {run_dir}/hang/rank-N.txt; returns the path."""
-    folder = os.path.join(run_dir, "hang")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"rank-{rank}.txt")
+def _hang_file(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "hang", f"rank-{rank}.txt")
+
+
+def _await_dumps(run_dir: str, world: int, deadline: float) -> None:
+    """Wait until every rank's hang file holds its stacks, or the deadline."""
+    while time.monotonic() < deadline:
+        try:
+            if all(os.path.getsize(_hang_file(run_dir, r)) > 0 for r in range(world)):
+                return
+        except OSError:
+            pass  # not made yet: that rank's watchdog had not started
+        time.sleep(0.2)
+
+
+def _dump_stacks(path: str, rank: int, step: int, phase: int, waited: float) -> str:
+    """Append every thread's Python stack to the rank's hang file; returns the path."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     names = {t.ident: t.name for t in threading.enumerate()}
     lines = [f"rank {rank} on {socket.gethostname()} (pid {os.getpid()}): last finished step {step}, "
              f"now in step {step + 1}: {PHASES[phase]}; {compat.collectives_issued()} collectives issued; "
@@ -293,6 +354,6 @@ def _dump_stacks(run_dir: str, rank: int, step: int, phase: int, waited: float) 
     for ident, frame in sys._current_frames().items():
         lines.append(f"\nThread {names.get(ident, ident)} (most recent call last):\n")
         lines += traceback.format_stack(frame)
-    with open(path, "w") as f:
+    with open(path, "a") as f:  # the last resort's descriptor appends to the same file
         f.writelines(lines)
     return path

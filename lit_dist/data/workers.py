@@ -29,6 +29,7 @@ to or when it is gone (PyTorch's workers watch their parent).
 
 import contextlib
 import multiprocessing
+import os
 import signal
 import sys
 from typing import Literal
@@ -43,7 +44,7 @@ START_METHODS = ("auto", "fork", "forkserver", "spawn")
 # SIGTERM of a preemption, scancel or Kubernetes.
 STOP_SIGNALS = ("SIGUSR1", "SIGTERM")
 
-_PRELOAD = ["torch", "lightning.fabric.utilities.seed", "lit_dist.cli", "lit_dist.data.dataset", "lit_dist.cache.build"]
+_PRELOAD = ["lit_dist.orphan_guard", "torch", "lightning.fabric.utilities.seed", "lit_dist.cli", "lit_dist.data.dataset", "lit_dist.cache.build"]
 
 
 def fork_is_safe(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
@@ -79,8 +80,12 @@ def start_early(start: Start = "auto") -> None:
 
 
 def ignore_stop_signals(*_) -> None:
-    """In a helper process (loader worker, pool worker): leave the stop signals to the training process.
-    Takes and ignores a worker id, to serve as a ``worker_init_fn`` or a pool's initializer."""
+    """In a helper process (loader worker, pool worker): leave the stop signals to the training process, and
+    end when its parent ends (a worker blocked in a read would never notice). Takes and ignores a worker id,
+    to serve as a ``worker_init_fn`` or a pool's initializer."""
+    from lit_dist.processes import die_with_parent
+
+    die_with_parent()
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
@@ -104,12 +109,18 @@ def _start_server() -> None:
     forked from the server, is stopped by them. In this process they are only deferred, never lost."""
     from multiprocessing import forkserver, resource_tracker
 
+    from lit_dist.orphan_guard import SERVER_ENV
+
     # The tracker first: starting it, multiprocessing unblocks SIGTERM again (it blocks SIGINT and SIGTERM
     # around its own spawn), which would leave the server without that block.
     with _stop_signals_blocked():
         resource_tracker.ensure_running()
-    with _stop_signals_blocked():
-        forkserver.ensure_running()
+    os.environ[SERVER_ENV] = str(os.getpid())  # the server's import of orphan_guard ties it to this process
+    try:
+        with _stop_signals_blocked():
+            forkserver.ensure_running()
+    finally:
+        del os.environ[SERVER_ENV]
 
 
 @contextlib.contextmanager

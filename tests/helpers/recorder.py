@@ -256,3 +256,61 @@ class SleepInStep(Callback):
         import time
 
         time.sleep(self.seconds * (self.factor if trainer.global_rank == self.rank else 1.0))
+
+
+class KillRankAtStep(Callback):
+    """Rank ``rank`` SIGKILLs itself (``what: rank``, as the out-of-memory killer would) or one of its data loader
+    workers (``what: worker``) at the start of the step after optimizer step ``step``."""
+
+    def __init__(self, step: int, rank: int = 1, what: str = "rank"):
+        self.step, self.rank, self.what = step, rank, what
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import gc
+        import signal
+
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        if self.what == "rank":
+            os.kill(os.getpid(), signal.SIGKILL)
+        loaders = [o for o in gc.get_objects() if isinstance(o, _MultiProcessingDataLoaderIter) and o._workers]
+        os.kill(loaders[0]._workers[0].pid, signal.SIGKILL)
+
+
+class HoldGilAtStep(Callback):
+    """Rank ``rank`` sleeps ``seconds`` in C without releasing the interpreter lock at the start of the step after
+    ``step`` (``step: -1``: in ``on_train_start``, before its first step), as a rank stuck in a C extension's
+    loop: no other thread of it runs, and no Python signal handler."""
+
+    def __init__(self, step: int, rank: int = 1, seconds: int = 600):
+        self.step, self.rank, self.seconds = step, rank, seconds
+
+    def _hold(self, trainer):
+        import ctypes
+
+        if trainer.global_rank == self.rank:
+            ctypes.PyDLL(None).sleep(self.seconds)  # PyDLL: the call keeps the GIL
+
+    def on_train_start(self, trainer, pl_module):
+        if self.step < 0:
+            self._hold(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self._hold(trainer)
+
+
+class RaiseDataErrorAtStep(Callback):
+    """Rank ``rank`` raises lit-dist's DataError (exit 3) at the start of the step after ``step``; the others go on
+    into that step's collective."""
+
+    def __init__(self, step: int, rank: int = 1):
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lit_dist.errors import DataError
+
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            raise DataError("a data error raised by the test on one rank")

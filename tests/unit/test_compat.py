@@ -126,3 +126,16 @@ def test_a_changed_internal_fails_with_one_clear_message():
     with pytest.raises(compat.LightningChanged, match=r"relies on Lightning's trainer.fit_loop.epoch_loop.batch_progress.*"
                                                       r"tested with Lightning 2\.6"):
         compat.is_last_batch(Renamed())
+
+
+def test_observe_child_ranks_replaces_the_observer_lightnings_launcher_starts():
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    original = subprocess_script._launch_process_observer
+    seen = []
+    try:
+        compat.observe_child_ranks(seen.append)
+        subprocess_script._launch_process_observer(["the children"])  # what launch() calls after starting them
+    finally:
+        subprocess_script._launch_process_observer = original
+    assert seen == [["the children"]]

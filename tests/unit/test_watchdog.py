@@ -27,6 +27,9 @@ def test_settings_that_could_never_work_are_refused(kwargs, message):
 def test_the_timeout_follows_the_slowest_step_within_its_bounds_and_relaxes_for_saves_and_validation():
     dog = HangWatchdog()
     dog._limit = 900.0  # half of a 30-minute collective timeout
+    assert dog.timeout() == 900.0  # before the first step: the start-up deadline, half the collective timeout
+    assert HangWatchdog(startup_timeout_s=120).timeout() == 120
+    dog._armed = True  # the first step finished
     assert dog.timeout() == 300.0  # nothing measured yet: the floor
     dog._slowest = 20.0
     assert dog.timeout() == 400.0  # 20 x the slowest step
@@ -34,7 +37,9 @@ def test_the_timeout_follows_the_slowest_step_within_its_bounds_and_relaxes_for_
     assert dog.timeout() == 900.0  # never past half the collective timeout
     dog._slowest, dog._relaxed = 1.0, True
     assert dog.timeout() == 900.0  # in a save or a validation
-    assert HangWatchdog(timeout_s=60).timeout() == 60
+    fixed = HangWatchdog(timeout_s=60)
+    fixed._armed = True
+    assert fixed.timeout() == 60
 
 
 def test_a_timeout_at_or_above_the_collective_timeout_is_refused_at_the_start(tmp_path):

@@ -1,0 +1,81 @@
+"""Processes that die or stop on 2 ranks started by Lightning's own launcher (rank 0 the parent of rank 1),
+made the way a bad day makes them: a real SIGKILL of a rank or of a loader worker, a rank stuck in C holding
+the interpreter lock. Each ends with one line naming what failed and a documented exit code, and within
+``BOUND_S`` of the job's exit no process of it is left (counted by session, never by name)."""
+
+import re
+
+import pytest
+
+from lit_dist.errors import ExitCode
+from tests.conftest import lit_dist, quickstart_args
+from tests.helpers.processes import left_after
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+BOUND_S = 10.0  # README, "Faults": every process of a run is gone this long after the job exits
+
+
+def run(tmp_path, demo_data, *extra: str, workers: int = 0, timeout: float = 240):
+    """A 2-process DDP quickstart that trains until a fault ends it; returns (result, processes left)."""
+    args = quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, data__num_workers=workers,
+                           trainer__devices=2, trainer__strategy="ddp", trainer__max_epochs=1000,
+                           trainer__enable_progress_bar=False, run__run_id="r")
+    out = lit_dist("fit", *args, *extra, timeout=timeout)
+    return out, left_after(out.pid, BOUND_S)
+
+
+def test_a_rank_killed_by_sigkill_is_named_with_its_signal_and_nothing_is_left(tmp_path, demo_data):
+    out, left = run(tmp_path, demo_data, "--trainer.callbacks+=tests.helpers.recorder.KillRankAtStep",
+                    "--trainer.callbacks.step", "4", workers=1)
+    assert out.returncode == ExitCode.PROCESS_DIED, out.stderr[-3000:]
+    assert re.search(r"lit-dist: error: rank 1 \(pid \d+ on \S+\) was killed by SIGKILL", out.stderr), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not left, left
+
+
+def test_a_loader_worker_killed_by_sigkill_is_named_with_its_rank_and_nothing_is_left(tmp_path, demo_data):
+    out, left = run(tmp_path, demo_data, "--trainer.callbacks+=tests.helpers.recorder.KillRankAtStep",
+                    "--trainer.callbacks.step", "4", "--trainer.callbacks.what", "worker", workers=1)
+    assert out.returncode == ExitCode.PROCESS_DIED, out.stderr[-3000:]
+    assert re.search(r"lit-dist: error: rank 1: data loader worker \(pid \d+\) was killed by SIGKILL", out.stderr), \
+        out.stderr[-3000:]
+    assert "data.num_workers" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not left, left
+
+
+def test_a_rank_stuck_holding_the_gil_dumps_its_stack_and_every_process_ends(tmp_path, demo_data):
+    out, left = run(tmp_path, demo_data, "--watchdog.timeout_s", "8", "--watchdog.heartbeat_s", "2",
+                    "--trainer.callbacks+=tests.helpers.recorder.HoldGilAtStep", "--trainer.callbacks.step", "6",
+                    workers=1)
+    assert out.returncode == ExitCode.HUNG, out.stderr[-3000:]
+    assert re.search(r"ranks behind: 1 \(\S+\);", out.stderr), out.stderr[-3000:]
+    dump = (tmp_path / "quickstart" / "r" / "hang" / "rank-1.txt").read_text()
+    assert "in on_train_batch_start" in dump and "in _hold" in dump, dump  # the stuck frames, dumped from C
+    assert not left, left
+
+
+def test_a_rank_stuck_before_its_first_step_is_named_within_the_startup_deadline(tmp_path, demo_data):
+    out, left = run(tmp_path, demo_data, "--watchdog.startup_timeout_s", "20", "--watchdog.heartbeat_s", "2",
+                    "--trainer.callbacks+=tests.helpers.recorder.HoldGilAtStep", "--trainer.callbacks.step", "-1")
+    assert out.returncode == ExitCode.HUNG, out.stderr[-3000:]
+    assert "ranks behind: 1;" in out.stderr and "rank 1: never published its progress" in out.stderr, out.stderr[-3000:]
+    assert "in on_train_start" in (tmp_path / "quickstart" / "r" / "hang" / "rank-1.txt").read_text()
+    assert not left, left
+
+
+def test_rank_0_killed_by_sigkill_leaves_no_process_behind(tmp_path, demo_data):
+    out, left = run(tmp_path, demo_data, "--trainer.callbacks+=tests.helpers.recorder.KillRankAtStep",
+                    "--trainer.callbacks.step", "4", "--trainer.callbacks.rank", "0", workers=1)
+    assert out.returncode == -9, out.stderr[-3000:]
+    assert not left, left
+
+
+@pytest.mark.parametrize("code", [ExitCode.OK, ExitCode.DATA_ERROR])
+def test_a_run_that_ends_leaves_no_process_behind(tmp_path, demo_data, code):
+    extra = ["--trainer.max_steps", "6"] if code == ExitCode.OK else \
+        ["--trainer.callbacks+=tests.helpers.recorder.RaiseDataErrorAtStep", "--trainer.callbacks.step", "4"]
+    out, left = run(tmp_path, demo_data, *extra, workers=1)
+    assert out.returncode == code, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not left, left

@@ -1,0 +1,75 @@
+"""How a process of the run ended, said in one line: the children's return codes and PyTorch's errors about dead
+loader workers (the whole runs are in tests/distributed/test_process_faults.py)."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from lit_dist.errors import ExitCode
+from lit_dist.processes import die_with_parent, how_it_ended, run_code, worker_death
+
+
+def test_how_a_process_ended_names_its_signal_and_meaning_or_its_code():
+    assert how_it_ended(-9).startswith("was killed by SIGKILL (what the kernel's out-of-memory killer sends")
+    assert how_it_ended(-11).startswith("was killed by SIGSEGV")
+    assert how_it_ended(3) == "ended with exit 3 (DATA_ERROR)"
+    assert how_it_ended(77) == "ended with exit 77"
+    assert run_code(-9) == ExitCode.PROCESS_DIED and run_code(12) == ExitCode.HUNG and run_code(77) == ExitCode.FAILURE
+
+
+def test_pytorchs_dead_worker_errors_become_one_line_with_the_rank_and_the_signal():
+    # The two errors PyTorch raises, the second chained from the first as in _try_get_data.
+    killed = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+    err = worker_death(killed, rank=1)
+    assert err is not None and err.exit_code == ExitCode.PROCESS_DIED
+    assert str(err).startswith("rank 1: data loader worker (pid 4242) was killed by SIGKILL")
+    assert "data.num_workers" in str(err)
+    try:
+        try:
+            raise killed
+        except RuntimeError as inner:
+            raise RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly") from inner
+    except RuntimeError as outer:
+        assert str(worker_death(outer, rank=0)).startswith("rank 0: data loader worker (pid 4242) was killed by SIGKILL")
+    coded = RuntimeError("DataLoader worker (pid 7) exited unexpectedly with exit code 1. Details are lost")
+    assert "(pid 7) ended with exit 1 (FAILURE)" in str(worker_death(coded, rank=0))
+    assert worker_death(RuntimeError("Connection reset by peer"), rank=0) is None
+
+
+def test_a_dead_workers_status_is_read_from_its_process_object_when_the_error_has_none():
+    process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    process.start()
+    os.kill(process.pid, signal.SIGKILL)
+    process.join()
+    err = worker_death(RuntimeError(f"DataLoader worker (pid(s) {process.pid}) exited unexpectedly"), rank=2)
+    assert f"(pid {process.pid}) was killed by SIGKILL" in str(err), err
+
+
+def test_a_process_that_asked_to_die_with_its_parent_does(tmp_path):
+    # parent -> child; the child asks, then the parent exits: the child must be gone, not orphaned.
+    script = ("import os, sys, time; from lit_dist.processes import die_with_parent\n"
+              "pid = os.fork()\n"
+              "if pid == 0:\n"
+              "    die_with_parent(); open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60); os._exit(0)\n"
+              "while not os.path.exists(sys.argv[1]) or not open(sys.argv[1]).read(): time.sleep(0.05)\n")
+    marker = tmp_path / "child.pid"
+    subprocess.run([sys.executable, "-c", script, str(marker)], check=True, timeout=30)
+    child = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{child}") and _state(child) != "Z":
+        time.sleep(0.1)
+    alive = os.path.exists(f"/proc/{child}") and _state(child) != "Z"
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, f"the child {child} outlived its parent"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "Z"
