@@ -9,7 +9,7 @@ import sys
 import time
 
 from lit_dist.errors import ExitCode
-from lit_dist.processes import die_with_parent, how_it_ended, run_code, worker_death
+from lit_dist.processes import how_it_ended, run_code, worker_death
 
 
 def test_how_a_process_ended_names_its_signal_and_meaning_or_its_code():
