@@ -14,6 +14,7 @@ Where POSIX timers are missing (not Linux), faulthandler ends the process itself
 import ctypes
 import faulthandler
 import os
+import signal
 import sys
 
 from lit_dist.errors import ExitCode
@@ -94,3 +95,78 @@ class LastResort:
                 os.remove(self.path)
         except FileNotFoundError:
             pass
+
+
+# -- helper processes' stacks, on request ----------------------------------------------------------------------
+# A loader worker blocked in a read (a file on a hung network mount) is where a "waiting for the batch" hang
+# really is, but the rank's dump shows only its own threads. Each worker registers faulthandler for DUMP_SIGNAL
+# (it writes the stacks from C, even while the worker is blocked in a system call), into a file next to its
+# rank's; the rank's watchdog signals them when it dumps.
+DUMP_SIGNAL = signal.SIGUSR2
+WORKER_DUMPS_ENV = "LIT_DIST_WORKER_DUMPS"  # set by a rank's watchdog: its workers' dump files' common prefix
+_registered = []  # the files faulthandler writes to must stay open
+
+
+def dump_on_request(path: str) -> None:
+    """In a helper process: write every thread's stack to ``path`` when DUMP_SIGNAL arrives."""
+    handle = open(path, "a")  # noqa: SIM115 - faulthandler keeps its descriptor
+    faulthandler.register(DUMP_SIGNAL, file=handle, all_threads=True, chain=True)  # then a Python handler, if any
+    _registered.append(handle)
+
+
+def dump_helpers() -> list[str]:
+    """Signal this process's descendants that dump on request; one line each: pid, state, what it waits in
+    (the kernel's wait channel) and the files it has open."""
+    lines = []
+    for pid in _descendants(os.getpid()):
+        status = _read(f"/proc/{pid}/status")
+        caught = int(next((ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), "0"), 16)
+        if not caught >> (int(DUMP_SIGNAL) - 1) & 1:
+            continue  # the fork server, the resource tracker: the signal would end them
+        try:
+            os.kill(pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            continue
+        state = next((ln.split(None, 1)[1] for ln in status.splitlines() if ln.startswith("State:")), "?")
+        files = sorted({target for target in _open_files(pid) if target.startswith("/") and not target.startswith("/dev/")})
+        wchan = _read(f"/proc/{pid}/wchan").strip()
+        waits = f", waiting in {wchan}" if wchan not in ("", "0") else ""  # hidden ("0") on many kernels
+        lines.append(f"helper process pid {pid} ({state.strip()}{waits}): open files: {', '.join(files) or 'none'}")
+    return lines
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _read(f"/proc/{entry}/stat")
+            if stat:
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _open_files(pid: int) -> list[str]:
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    targets = []
+    for name in names:
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+        except OSError:
+            pass  # closed meanwhile
+    return targets
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # the process ended meanwhile
+        return ""

@@ -50,7 +50,7 @@ from lightning.pytorch import Callback
 from lit_dist import compat
 from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError, ExitCode
-from lit_dist.last_resort import EXIT_AFTER_DUMP_S, LastResort
+from lit_dist.last_resort import EXIT_AFTER_DUMP_S, WORKER_DUMPS_ENV, LastResort, dump_helpers
 from lit_dist.slurm import check_exclusion
 
 log = logging.getLogger(__name__)
@@ -170,6 +170,8 @@ class HangWatchdog(Callback):
         self._progress_at = time.monotonic()
         self._stop.clear()
         self._last_resort = LastResort(_hang_file(trainer.default_root_dir, trainer.global_rank))
+        # Loader workers started from now on dump their stacks next to this rank's when it dumps.
+        os.environ[WORKER_DUMPS_ENV] = _hang_file(trainer.default_root_dir, trainer.global_rank).removesuffix(".txt")
         self._thread = threading.Thread(target=self._watch, args=(trainer,), name="lit-dist-watchdog", daemon=True)
         self._thread.start()
 
@@ -204,6 +206,7 @@ class HangWatchdog(Callback):
         if self._last_resort is not None and not self._hanging:
             self._last_resort.close()
             self._last_resort = None
+            _remove_unused_dumps(os.environ.pop(WORKER_DUMPS_ENV, None))
 
     # -- the watchdog thread ----------------------------------------------------------------------
 
@@ -262,6 +265,11 @@ class HangWatchdog(Callback):
             except Exception:  # noqa: BLE001
                 first = True
         path = _dump_stacks(_hang_file(trainer.default_root_dir, rank), rank, self._step, self._phase, waited)
+        if helpers := dump_helpers():  # loader workers: a read that blocks is in one of them
+            with open(path, "a") as f:
+                f.write("\nThis rank's helper processes (stacks of each loader worker in "
+                        f"{os.path.basename(path).removesuffix('.txt')}-worker-pid-PID.txt):\n" +
+                        "".join(f"  {line}\n" for line in helpers))
         if first:
             behind, progress = _behind(store, world, rank, self._step, self._phase)
             node_of = (lambda r: self._control.where(r)["node"]) if self._control is not None else (lambda r: None)
@@ -331,6 +339,21 @@ def _behind(store, world: int, rank: int, step: int, phase: int) -> tuple[list[i
 
 def _hang_file(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, "hang", f"rank-{rank}.txt")
+
+
+def _remove_unused_dumps(prefix: str | None) -> None:
+    """Remove the loader workers' dump files that stayed empty (the run did not hang), and the folder if empty."""
+    if not prefix:
+        return
+    folder = os.path.dirname(prefix)
+    try:
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if path.startswith(prefix + "-worker-pid-") and os.path.getsize(path) == 0:
+                os.remove(path)
+        os.rmdir(folder)  # only if empty: another rank's dumps, or a hang, keep it
+    except OSError:
+        pass  # gone meanwhile, or not empty
 
 
 def _await_dumps(run_dir: str, world: int, deadline: float) -> None:

@@ -44,6 +44,8 @@ START_METHODS = ("auto", "fork", "forkserver", "spawn")
 # SIGTERM of a preemption, scancel or Kubernetes.
 STOP_SIGNALS = ("SIGUSR1", "SIGTERM")
 
+_reading: str | None = None  # the file this worker reads now (``reading``): a hang dump says it
+
 _PRELOAD = ["lit_dist.orphan_guard", "torch", "lightning.fabric.utilities.seed", "lit_dist.cli", "lit_dist.data.dataset", "lit_dist.cache.build"]
 
 
@@ -95,12 +97,42 @@ class QuietWorkerInit:
     the worker, which would end it), then run ``inner`` (Lightning's worker seeding, say)."""
 
     def __init__(self, inner=None):
+        from lit_dist.last_resort import WORKER_DUMPS_ENV
+
         self.inner = inner
+        self.dumps = os.environ.get(WORKER_DUMPS_ENV)  # read in the rank, carried to the worker by pickle
 
     def __call__(self, worker_id: int) -> None:
         ignore_stop_signals()
+        if self.dumps:  # the rank's hang watchdog asks for this worker's stacks when it dumps its own
+            _dump_on_request(f"{self.dumps}-worker-pid-{os.getpid()}.txt")
         if self.inner is not None:
             self.inner(worker_id)
+
+
+@contextlib.contextmanager
+def reading(path: str):
+    """Note ``path`` as the file this process reads until the block ends (a module variable: no I/O)."""
+    global _reading
+    _reading = path
+    try:
+        yield
+    finally:
+        _reading = None
+
+
+def _dump_on_request(path: str) -> None:
+    """Stacks from C at once (also while blocked), then the file being read, once a blocked system call is
+    interrupted by the signal and Python runs its handler (a read stuck in the kernel's uninterruptible wait
+    gives the stacks only)."""
+    from lit_dist.last_resort import DUMP_SIGNAL, dump_on_request
+
+    def say_reading(signum, frame):
+        with open(path, "a") as f:
+            f.write(f"\nreading: {_reading or 'no file'}\n")
+
+    signal.signal(DUMP_SIGNAL, say_reading)
+    dump_on_request(path)  # chained: faulthandler's dump first, then say_reading
 
 
 def _start_server() -> None:

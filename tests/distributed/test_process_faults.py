@@ -79,3 +79,33 @@ def test_a_run_that_ends_leaves_no_process_behind(tmp_path, demo_data, code):
     assert out.returncode == code, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert not left, left
+    assert not (tmp_path / "quickstart" / "r" / "hang").exists()  # no hang: no (empty) dump files either
+
+
+def test_a_read_that_blocks_in_a_loader_worker_is_named_with_the_workers_stack_and_file(tmp_path, demo_data):
+    # Every tenth training image becomes a FIFO nobody writes: a read of it blocks, as one on a hung mount does.
+    import os
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "shapes"
+    shutil.copytree(demo_data.parent, data)
+    rows = pq.read_table(data / "metadata.parquet").to_pylist()
+    blocked = [r["filename"] for r in rows if r["split"] == "train"][::10]
+    for name in blocked:
+        os.remove(data / name)
+        os.mkfifo(data / name)
+    out, left = run(tmp_path, data / "metadata.parquet", "--watchdog.timeout_s", "8", "--watchdog.heartbeat_s", "2",
+                    "--watchdog.startup_timeout_s", "20", workers=1)
+    assert out.returncode == ExitCode.HUNG, out.stderr[-3000:]
+    assert "waiting for the batch" in out.stderr, out.stderr[-3000:]
+    behind = int(re.search(r"ranks behind: (\d)", out.stderr).group(1))
+    hang = tmp_path / "quickstart" / "r" / "hang"
+    dump = (hang / f"rank-{behind}.txt").read_text()
+    pids = re.findall(r"helper process pid (\d+) \(S", dump)  # its loader workers, sleeping
+    workers = [(hang / f"rank-{behind}-worker-pid-{pid}.txt").read_text() for pid in pids]
+    stuck = [w for w in workers if any(f"reading: {data / name}" in w for name in blocked)]
+    assert len(stuck) == 1, (dump, workers)  # the worker says which file it is blocked on
+    assert "in covering" in stuck[0], stuck[0]  # and its own stack, written from C while it is blocked
+    assert not left, left
