@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 # Where a rank is in the step after its last finished one, in order ("starting": before its first batch).
 PHASES = ("starting", "waiting for the batch", "forward", "backward", "optimizer step")
 _KEY = "lit-dist/watchdog"
+# What a TCPStore request raises when the store cannot answer: torch's DistStoreError and DistNetworkError are
+# RuntimeErrors; a refused or reset connection can surface as an OSError; a garbled value as a ValueError.
+_STORE_ERRORS = (RuntimeError, OSError, ValueError)
 
 
 class HangWatchdog(Callback):
@@ -195,7 +198,7 @@ class HangWatchdog(Callback):
         store = _store() if trainer.world_size > 1 else None
         try:
             return store is not None and store.check([f"{_KEY}/hung"])
-        except Exception:  # noqa: BLE001 - the store went with rank 0
+        except _STORE_ERRORS:  # the store went with rank 0
             return False
 
     def _halt(self) -> None:
@@ -245,7 +248,7 @@ class HangWatchdog(Callback):
                 try:
                     store.set(f"{_KEY}/progress/{rank}", f"{compat.collectives_issued()} {self._step} {self._phase}")
                     declared = store.check([f"{_KEY}/hung"])
-                except Exception as exc:  # noqa: BLE001 - the store is gone: the job is ending anyway
+                except _STORE_ERRORS as exc:  # the store is gone: the job is ending anyway
                     log.debug("lit-dist watchdog: store unreachable (%s)", exc)
             stalled = now - self._progress_at > self.timeout()
             if stalled or declared:
@@ -262,7 +265,7 @@ class HangWatchdog(Callback):
         if store is not None and noticed:
             try:  # the first rank to declare it names the ranks behind and tells the world
                 first = store.add(f"{_KEY}/hung", 1) == 1
-            except Exception:  # noqa: BLE001
+            except _STORE_ERRORS:  # the store is gone with its rank: this rank speaks for itself
                 first = True
         path = _dump_stacks(_hang_file(trainer.default_root_dir, rank), rank, self._step, self._phase, waited)
         if helpers := dump_helpers():  # loader workers: a read that blocks is in one of them
@@ -315,7 +318,7 @@ def _store():
         from torch.distributed import distributed_c10d
 
         return distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: the watchdog still catches this rank's own hang
+    except (RuntimeError, ValueError, AttributeError):  # no store, or torch renamed it: this rank's own hang is still caught
         return None
 
 
@@ -328,7 +331,7 @@ def _behind(store, world: int, rank: int, step: int, phase: int) -> tuple[list[i
         key = f"{_KEY}/progress/{other}"
         try:  # check first: the store's get waits for a missing key until the store's own timeout
             value = store.get(key).decode().split() if store.check([key]) else None
-        except (RuntimeError, ValueError, OSError):  # the store went away (its host rank ended): nothing known
+        except _STORE_ERRORS:  # the store went away (its host rank ended): nothing known
             value = None
         # A rank that never published (stuck before its watchdog's first heartbeat) is the least advanced.
         progress[other] = (int(value[0]), int(value[1]), int(value[2])) if value else (-1, -1, 0)
