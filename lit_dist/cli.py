@@ -351,10 +351,13 @@ def main(args: list[str] | None = None) -> None:
         from lit_dist import processes
 
         err = _user_error(exc) or processes.worker_death(exc, _rank())
+        # A child rank that died first broke this rank's collective: its end is the run's.
+        if err is None and (code := processes.blame_child()) is not None:
+            processes.end_run(code)  # no unwinding: the process group has a dead member
+        if err is None and (err := processes.peer_lost(exc, _rank())) is not None:
+            print(f"lit-dist: error: {err}", file=sys.stderr)
+            processes.end_run(err.exit_code)  # leaving the process group could wait on the dead peer
         if err is None:
-            # A child rank that died first broke this rank's collective: its end is the run's.
-            if (code := processes.blame_child()) is not None:
-                processes.end_run(code)  # no unwinding: the process group has a dead member
             raise
         print(f"lit-dist: error: {err}", file=sys.stderr)
         _leave_process_group()

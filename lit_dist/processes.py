@@ -207,6 +207,25 @@ def worker_death(exc: BaseException, rank: int) -> ProcessDied | None:
                        "data.num_workers or data.batch_size_per_device; resume the run from its last checkpoint")
 
 
+# What a collective raises on the ranks left when another process of the run went away mid-collective.
+_PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Remote process exited")
+
+
+def peer_lost(exc: BaseException, rank: int) -> ProcessDied | None:
+    """A ProcessDied for a collective that failed because a peer process went away, else None. Under srun or
+    torchrun this rank cannot see how the peer ended; their own log lines say which task and how."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError) and (match := _PEER_LOST.search(str(exc))):
+            return ProcessDied(f"rank {rank}: a collective failed because another process of the run went away "
+                               f"({match.group(0)}); the launcher's log says which and how (torchrun: 'failed "
+                               "(exitcode: -9) local_rank: N', srun: 'task N: Killed'); resume the run from its last "
+                               "checkpoint")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _worker_status(pid: int) -> int | None:
     """The return code of this process's worker ``pid``, from its ``multiprocessing`` Process object (under a fork
     server, the server reaps the worker and sends the code to that object, not to us: waitpid cannot)."""

@@ -73,3 +73,16 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "Z"
+
+
+def test_a_collective_broken_by_a_peer_that_went_away_is_one_line_and_anything_else_is_not():
+    from lit_dist.processes import peer_lost
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:34729: Connection reset by peer. "
+                        "This is typically caused by a remote worker hanging")
+    err = peer_lost(gloo, rank=0)
+    assert err is not None and err.exit_code == ExitCode.PROCESS_DIED
+    assert str(err).startswith("rank 0: a collective failed because another process of the run went away "
+                               "(Connection reset by peer)")
+    assert peer_lost(RuntimeError("CUDA out of memory"), rank=0) is None
+    assert peer_lost(ValueError("Connection reset by peer"), rank=0) is None  # not a collective's error
