@@ -351,13 +351,15 @@ def main(args: list[str] | None = None) -> None:
         from lit_dist import processes
 
         err = _user_error(exc) or processes.worker_death(exc, _rank())
-        # A child rank that died first broke this rank's collective: its end is the run's.
-        if err is None and (code := processes.blame_child()) is not None:
-            processes.end_run(code)  # no unwinding: the process group has a dead member
-        if err is None and (err := processes.peer_lost(exc, _rank())) is not None:
-            print(f"lit-dist: error: {err}", file=sys.stderr)
-            processes.end_run(err.exit_code)  # leaving the process group could wait on the dead peer
         if err is None:
+            lost = processes.peer_lost(exc, _rank())
+            # A child rank that ended first broke this rank's collective: its end is the run's (one that closed
+            # its connection may take a while to exit: its interpreter, its workers).
+            if (code := processes.blame_child(wait_s=30.0 if lost else 3.0)) is not None:
+                processes.end_run(code)  # no unwinding: the process group has a dead member
+            if lost is not None:
+                print(f"lit-dist: error: {lost}", file=sys.stderr)
+                processes.end_run(lost.exit_code)  # leaving the process group could wait on the dead peer
             raise
         print(f"lit-dist: error: {err}", file=sys.stderr)
         _leave_process_group()

@@ -1,7 +1,7 @@
 """Exit codes and the errors that carry them.
 
 Every code is documented in README.md ("Exit codes"). The GPU-fault,
-preemption, hang, straggler, preflight and process-died codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
+preemption, hang, straggler, preflight, process-died, storage-full and store-unreachable codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
 255, so an orchestrator can tell them from everything else.
 """
 
@@ -20,12 +20,27 @@ class ExitCode(IntEnum):
     STRAGGLER = 13  # saved and requeued without the node of a persistently slow rank (straggler.exclude_node)
     PREFLIGHT = 14  # the preflight measured a rank or node below preflight.min_fraction of the median
     PROCESS_DIED = 15  # a rank or a data loader worker died (a signal, e.g. the out-of-memory killer): resume the run
+    STORAGE_FULL = 16  # local storage is full: free space or move the run dir, then resume
+    STORE_UNREACHABLE = 17  # the object store did not answer for data.outage_deadline_s: retry the job later, as is
 
 
 class LitDistError(Exception):
     """A user-facing error: printed as one message, without a traceback."""
 
     exit_code: ExitCode = ExitCode.FAILURE
+
+    def __init__(self, message: str = "", *args):
+        super().__init__(_from_worker(message, type(self).__name__), *args)
+
+
+def _from_worker(message, name: str):
+    """The message of an error raised in a DataLoader worker: PyTorch re-raises it in the training process as
+    ``type(exc)(text)``, the text "Caught X in DataLoader worker process N." followed by the worker's traceback,
+    whose last lines are "module.X: message"."""
+    marker = f"{name}: "
+    if isinstance(message, str) and message.startswith("Caught ") and "DataLoader worker" in message and marker in message:
+        return message.rsplit(marker, 1)[1].strip()
+    return message
 
 
 class ConfigError(LitDistError, ValueError):
@@ -46,6 +61,12 @@ class CheckpointError(LitDistError):
     """A checkpoint cannot be written or none of the existing ones can be loaded."""
 
     exit_code = ExitCode.FAILURE
+
+
+class StorageFull(CheckpointError):
+    """A checkpoint did not fit: no space (or no inodes, or the quota) left where the checkpoints are written."""
+
+    exit_code = ExitCode.STORAGE_FULL
 
 
 class Preempted(LitDistError):

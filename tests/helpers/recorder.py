@@ -314,3 +314,15 @@ class RaiseDataErrorAtStep(Callback):
 
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             raise DataError("a data error raised by the test on one rank")
+
+
+class MarkAtStep(Callback):
+    """Creates the file ``path`` once optimizer step ``step`` is done (rank 0), for a test that acts from outside
+    at that moment."""
+
+    def __init__(self, step: int, path: str):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.global_rank == 0:
+            open(self.path, "w").close()

@@ -86,3 +86,21 @@ def test_a_collective_broken_by_a_peer_that_went_away_is_one_line_and_anything_e
                                "(Connection reset by peer)")
     assert peer_lost(RuntimeError("CUDA out of memory"), rank=0) is None
     assert peer_lost(ValueError("Connection reset by peer"), rank=0) is None  # not a collective's error
+
+
+def test_a_lit_dist_error_raised_in_a_loader_worker_reaches_the_user_as_its_own_message():
+    import torch
+
+    from lit_dist.errors import DataError
+
+    def fail(_):
+        raise DataError("the data is broken\n  - because of this")
+
+    loader = torch.utils.data.DataLoader(range(2), num_workers=1, collate_fn=fail,
+                                         multiprocessing_context="fork")
+    try:
+        next(iter(loader))
+    except DataError as err:
+        assert str(err) == "the data is broken\n  - because of this", str(err)  # not the worker's traceback
+    else:
+        raise AssertionError("no error")

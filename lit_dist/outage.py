@@ -1,0 +1,86 @@
+"""An object store that cannot be reached is an outage, not a bad file: wait it out, then say "retry later".
+
+Reading data, a cache or a checkpoint from S3 (or any fsspec store), a refused connection, a timeout, a 5xx or a
+throttling answer says nothing about the object: replacing the sample by another of its bucket, as for an image
+that does not decode, would train on substitutes for as long as the store is away. ``call`` retries such a read
+with exponential backoff (1 s doubling to 30 s), saying once per attempt-series what it waits for, until a
+deadline (``data.outage_deadline_s``); a short outage costs only its length, and the same object is read. Past
+the deadline it raises ``StoreUnreachable`` (exit 17: the job may be retried later, as is).
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from lit_dist.errors import ExitCode, LitDistError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FIRST_WAIT_S = 1.0
+LONGEST_WAIT_S = 30.0
+# Codes and words of an answer that is the store's trouble, not the object's (S3 and its look-alikes).
+_SERVER_TROUBLE = ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttl", "503", "500",
+                   "502", "504", "Please reduce your request rate")
+
+
+class StoreUnreachable(LitDistError):
+    """The object store did not answer for the whole outage deadline."""
+
+    exit_code = ExitCode.STORE_UNREACHABLE
+
+
+def _connection_types() -> tuple[type, ...]:
+    types: list[type] = [ConnectionError, TimeoutError]
+    try:
+        from botocore import exceptions as boto
+
+        types += [boto.ConnectionError, boto.HTTPClientError]  # refused, DNS, connect/read timeouts, closed
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        types += [aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError]
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the store could not be reached or answered for itself, not the
+    object: a connection refused or reset, a timeout, a 5xx or throttling answer."""
+    connection = _connection_types()
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, connection):
+            return True
+        if isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
+            if any(word in str(exc) for word in _SERVER_TROUBLE):
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def call(read: Callable[[], T], what: str, deadline_s: float, who: str = "") -> T:
+    """``read()``, retried through an outage of the store for up to ``deadline_s`` seconds in all; ``who`` starts
+    each line (e.g. "rank 1: ")."""
+    started = time.monotonic()
+    wait = FIRST_WAIT_S
+    while True:
+        try:
+            return read()
+        except Exception as exc:  # noqa: BLE001 - only an outage is kept (is_outage); anything else is raised as is
+            if not is_outage(exc):
+                raise
+            waited = time.monotonic() - started
+            if waited + wait > deadline_s:
+                raise StoreUnreachable(f"{who}the object store did not answer for {waited:.0f} s reading {what} "
+                                       f"({type(exc).__name__}: {exc}); retry the job later (data.outage_deadline_s: "
+                                       f"{deadline_s:.0f} s)") from exc
+            log.warning("lit-dist: %sthe object store does not answer (%s: %s) reading %s; waiting %.0f s (%.0f of "
+                        "%.0f s so far)", who, type(exc).__name__, exc, what, wait, waited, deadline_s)
+            time.sleep(wait)
+            wait = min(wait * 2, LONGEST_WAIT_S)

@@ -1,0 +1,75 @@
+"""A TCP proxy on 127.0.0.1 that a test cuts (every connection closed, new ones refused) and restores on the same
+port: how an object store behind a failing network looks to a client, with the real server kept running."""
+
+import socket
+import threading
+
+
+class TcpProxy:
+    """Forwards ``127.0.0.1:port`` to ``target`` ("host", port) until ``cut()``; ``restore()`` listens again."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._listener = self._listen(0)
+        self.port = self._listener.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _listen(self, port: int) -> socket.socket:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(64)
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return listener
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # closed by cut()
+                return
+            try:
+                server = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open |= {client, server}
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        """Refuse new connections and reset the open ones."""
+        self._listener.close()
+        with self._lock:
+            for s in self._open:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                    s.close()
+                except OSError:
+                    pass
+            self._open.clear()
+
+    def restore(self) -> None:
+        self._listener = self._listen(self.port)
+
+    def close(self) -> None:
+        self.cut()

@@ -1,0 +1,97 @@
+"""The object store goes away mid-run, made the way it happens: the real local S3 server behind a TCP proxy that
+the test cuts (connections reset, new ones refused) and restores. A short outage costs only its length and every
+sample is the one the sampler chose; a long one stops every rank with exit 17 ("retry later") and one line, and
+nothing of the run is left."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from urllib.parse import urlparse
+
+import pytest
+
+from lit_dist.errors import ExitCode
+from tests.conftest import CONFIGS, REPO
+from tests.helpers.processes import left_after
+from tests.helpers.tcp_proxy import TcpProxy
+
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
+ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+       "PYTHONFAULTHANDLER": "1"}
+
+
+@pytest.fixture
+def proxied(s3, demo_data):
+    s3.put(str(demo_data.parent), f"{s3.bucket}/shapes", recursive=True)
+    endpoint = urlparse(s3.endpoint)
+    proxy = TcpProxy((endpoint.hostname, endpoint.port))
+    yield f"s3://{s3.bucket}/shapes", proxy
+    proxy.close()
+
+
+def start(tmp_path, url, proxy, run_id, *extra):
+    """A quickstart fit reading its table and images through the proxy, in a session of its own."""
+    args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", f"{url}/metadata.parquet",
+            "--data.create_demo_if_missing", "false",
+            "--data.storage_options", json.dumps({"client_kwargs": {"endpoint_url": proxy.url}}),
+            "--data.batch_size_per_device", "8", "--data.num_workers", "1", "--trainer.max_steps", "30",
+            "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false", "--run.root_dir", str(tmp_path),
+            "--run.run_id", run_id, "--export.filename", "null",
+            "--trainer.callbacks+=tests.helpers.recorder.RowRecorder", *extra]
+    return subprocess.Popen([sys.executable, "-m", "lit_dist", *args], cwd=REPO, env={**os.environ, **ENV}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def finish(proc, timeout=240):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the run hung:\n{err[-5000:]}")
+    return proc.returncode, out, err
+
+
+def test_a_short_outage_costs_its_length_and_no_sample_is_substituted(tmp_path, proxied):
+    url, proxy = proxied
+    code, _, err = finish(start(tmp_path, url, proxy, "calm"))
+    assert code == 0, err[-3000:]
+    marker = tmp_path / "cut-now"
+    proc = start(tmp_path, url, proxy, "outage", "--trainer.callbacks+=tests.helpers.recorder.MarkAtStep",
+                 "--trainer.callbacks.step", "8", "--trainer.callbacks.path", str(marker))
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proxy.cut()
+    time.sleep(15)
+    proxy.restore()
+    code, _, err = finish(proc)
+    assert code == 0, err[-3000:]
+    assert "the object store does not answer" in err, err[-3000:]  # it said what it waited for
+    assert "using another" not in err and "unreadable" not in err, err[-3000:]
+    rows = [json.loads((tmp_path / "quickstart" / run / "rows-rank0.json").read_text()) for run in ("calm", "outage")]
+    assert rows[0] == rows[1]  # every batch holds the samples the sampler chose, as without the outage
+
+
+def test_an_outage_past_its_deadline_stops_every_rank_with_exit_17_and_nothing_is_left(tmp_path, proxied):
+    url, proxy = proxied
+    marker = tmp_path / "cut-now"
+    proc = start(tmp_path, url, proxy, "gone", "--data.outage_deadline_s", "12", "--trainer.devices", "2",
+                 "--trainer.strategy", "ddp", "--trainer.max_steps", "1000",
+                 "--trainer.callbacks+=tests.helpers.recorder.MarkAtStep", "--trainer.callbacks.step", "4",
+                 "--trainer.callbacks.path", str(marker))
+    while not marker.exists() and proc.poll() is None:
+        time.sleep(0.05)
+    proxy.cut()
+    started = time.monotonic()
+    code, _, err = finish(proc)
+    elapsed = time.monotonic() - started
+    left = left_after(proc.pid, 10)
+    assert code == ExitCode.STORE_UNREACHABLE, err[-3000:]
+    assert "lit-dist: error: rank" in err and "the object store did not answer for" in err, err[-3000:]
+    assert "retry the job later" in err and "Traceback" not in err, err[-3000:]
+    assert elapsed < 12 + 60, elapsed  # the deadline, one last attempt (a few seconds each), the other rank's grace
+    assert not left, left

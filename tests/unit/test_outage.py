@@ -1,0 +1,67 @@
+"""An outage of the object store told apart from a bad object, waited out, then "retry later" (the whole runs
+against a stopped store are in tests/s3/test_outage.py)."""
+
+import pytest
+from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
+
+from lit_dist import outage
+from lit_dist.errors import ExitCode
+
+
+def chained(outer: BaseException, cause: BaseException) -> BaseException:
+    outer.__cause__ = cause
+    return outer
+
+
+@pytest.mark.parametrize("exc", [
+    ConnectionRefusedError(111, "Connection refused"),
+    EndpointConnectionError(endpoint_url="http://store:9000/b/k"),
+    ReadTimeoutError(endpoint_url="http://store:9000/b/k"),
+    TimeoutError("timed out"),
+    OSError(5, "An error occurred (SlowDown) when calling GetObject: Please reduce your request rate."),
+    OSError("An error occurred (503) when calling the GetObject operation: Service Unavailable"),
+    chained(RuntimeError("reading failed"), ConnectionResetError(104, "Connection reset by peer")),
+])
+def test_what_counts_as_an_outage(exc):
+    assert outage.is_outage(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    FileNotFoundError(2, "No such file", "b/k.png"),
+    PermissionError(13, "Access Denied"),
+    OSError("cannot identify image file"),
+    ValueError("bad value"),
+])
+def test_a_missing_or_bad_object_is_not_an_outage(exc):
+    assert not outage.is_outage(exc)
+
+
+def test_a_short_outage_is_waited_out_and_the_same_object_read(monkeypatch):
+    monkeypatch.setattr(outage, "FIRST_WAIT_S", 0.01)
+    answers = [ConnectionRefusedError(111, "refused"), ConnectionRefusedError(111, "refused"), b"the bytes"]
+
+    def read():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert outage.call(read, "b/k.png", deadline_s=5) == b"the bytes" and not answers
+
+
+def test_an_outage_past_its_deadline_says_retry_later_and_other_errors_pass_through(monkeypatch):
+    monkeypatch.setattr(outage, "FIRST_WAIT_S", 0.01)
+
+    def refused():
+        raise ConnectionRefusedError(111, "refused")
+
+    with pytest.raises(outage.StoreUnreachable, match=r"^rank 1: the object store did not answer for .* reading "
+                       r"b/k.png .*retry the job later") as caught:
+        outage.call(refused, "b/k.png", deadline_s=0.1, who="rank 1: ")
+    assert caught.value.exit_code == ExitCode.STORE_UNREACHABLE == 17
+
+    def missing():
+        raise FileNotFoundError(2, "No such file")
+
+    with pytest.raises(FileNotFoundError):  # not waited for: the object is missing, the store answered
+        outage.call(missing, "b/k.png", deadline_s=5)
