@@ -137,6 +137,7 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+    renamed = False
     try:
         with open(tmp, "wb", buffering=_CHUNK) as f:
             writer = HashingWriter(f, f.fileno())
@@ -144,10 +145,10 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+        renamed = True
+    finally:
+        if not renamed and os.path.exists(tmp):  # whatever stopped it (a full disk, Ctrl-C), no temporary file stays
             os.unlink(tmp)
-        raise
     fsync_dir(folder)
     return writer.entry()
 

@@ -23,6 +23,7 @@ trusts (``lit-dist export --trust_pickle``, ``lit-dist fit --weights_only false`
 
 import pickle
 import re
+import struct
 from typing import Any
 
 import torch
@@ -76,7 +77,10 @@ def _refused(file, allowed, message: str) -> list[str]:
             file.seek(0)
         with torch.serialization.safe_globals(list(allowed)):
             names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-    except Exception:  # not a zip checkpoint, or unreadable: the refusal's own words name it
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError, struct.error, OSError):
+        # What it raises for a file that is no zip checkpoint (ValueError), a damaged zip (RuntimeError from
+        # torch's reader), a damaged data.pkl (UnpicklingError, EOFError, struct.error, UnicodeDecodeError) or
+        # an unreadable file: the refusal's own words name the type then.
         names = []
     # A type pushed on the stack at load time escapes the static listing; torch's message names it.
     return sorted(names) or re.findall(r"Unsupported global: GLOBAL (\S+) was not an allowed global", message)
