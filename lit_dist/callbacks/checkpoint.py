@@ -346,7 +346,9 @@ class Checkpointing(Checkpoint):
             log.error("lit-dist: the background checkpoint save failed too: %s", error)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        self.background_error(timeout_s=600)
+        error = self.background_error(timeout_s=600)  # None unless neither on_train_end nor on_exception waited
+        if error is not None:
+            log.error("lit-dist: the background checkpoint save failed: %s", error)
         CheckpointStore.wait_for_deletions()
 
     # -- state --------------------------------------------------------------------------------

@@ -4,8 +4,11 @@ asynchronous variant. The ``Checkpointing`` callback decides when; this decides 
 - Rank 0 writes the file for DDP and single-device runs; with sharded strategies (FSDP, FSDP2,
   DeepSpeed) every rank writes its part, the ranks hash a share of the files each, and rank 0 writes
   the marker once all are done. A checkpoint counts only once its marker exists (``lit_dist.ckpt.store``).
-- Every rank learns whether the save failed on any rank (one small all-reduce per save), so no rank
-  waits for one that gave up.
+- Every rank learns whether rank 0 made the checkpoint's folder, then whether the save failed on any
+  rank (two small all-reduces per save), so no rank waits for one that gave up, and every rank runs the
+  same collectives in the same order on the error path too. A failed save is removed at once; a full
+  disk is one line with what to do (``StorageFull``, exit 16, see ``lit_dist.ckpt.space``), and rank 0
+  warns once, after a save, when fewer than two more checkpoints fit.
 - ``async_save``: a quick copy of the state (``Snapshot``), then the write on a thread; the next save
   (or the end of the run) waits for it and agrees on its outcome.
 - After a save, rotation keeps the newest ``keep_last_n``, the best ``keep_best_k`` by ``monitor`` and
@@ -20,13 +23,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.api import CheckpointException
+
 from lit_dist import compat
 from lit_dist.ckpt.files import FileEntry, hash_file
 from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.snapshot import Snapshot
+from lit_dist.ckpt.space import (
+    full_error,
+    full_message,
+    low_room_warning,
+    os_errors,
+    room,
+    state_bytes,
+    too_little,
+)
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.distributed import agree_any, all_gather_object
-from lit_dist.errors import CheckpointError
+from lit_dist.errors import CheckpointError, StorageFull
 from lit_dist.run import RUN_ID_ENV
 
 log = logging.getLogger(__name__)
@@ -59,6 +74,8 @@ class Saver:
         self._snapshot = Snapshot()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-save")
         self._pending: Future | None = None  # the asynchronous write in flight
+        self._state_bytes = 0  # this rank's part of the last checkpoint, in memory: its size before one is complete
+        self._warned_room = False  # fewer than two more checkpoints fit: said once
 
     def save(self, trainer, reason: str, metric: dict | None = None) -> str:
         """Save a checkpoint of this step now and return where (every rank). Call it on every rank at the
@@ -78,60 +95,88 @@ class Saver:
         target = "/".join([store.staging(name), STATE]) if store.local else store.url_of(name, STATE)
         whole_on_rank_zero = compat.rank_zero_writes(trainer.strategy)
         started = time.monotonic()
+        # On every rank before anything can fail: on_save_checkpoint gathers every rank's random states.
+        checkpoint = compat.dump_checkpoint(trainer)
+        self._state_bytes = state_bytes(checkpoint)  # the strategy may take parts of it apart while saving
         if self.async_save and whole_on_rank_zero:
-            checkpoint = compat.dump_checkpoint(trainer)
             if trainer.is_global_zero:
                 state = self._snapshot.take(checkpoint)
 
                 blocked = time.monotonic() - started  # the loop waits only for the copy
 
                 def write() -> None:
-                    store.begin(name)
-                    self.io.save_checkpoint(state, target)
-                    self._finish(name, {STATE: self.io.written.pop(target)}, info, started, blocked)
+                    written = False
+                    try:
+                        store.begin(name)
+                        self.io.save_checkpoint(state, target)
+                        self._finish(name, {STATE: self.io.written.pop(target)}, info, started, blocked)
+                        written = True
+                    finally:
+                        if not written:  # also when the run ends before the failure is agreed on
+                            store.abandon(name)
 
                 self._pending = self._writer.submit(write)
             return store.url_of(name)
         error = None
-        try:
-            if trainer.is_global_zero:
+        if trainer.is_global_zero:
+            try:
                 store.begin(name)
-            if not whole_on_rank_zero:
-                trainer.strategy.barrier("lit-dist-checkpoint-begin")  # the folder is fresh before any rank writes
-            trainer.strategy.save_checkpoint(compat.dump_checkpoint(trainer), target)
-        except Exception as exc:  # agreed on below, so that no rank waits for one that gave up
-            error = exc
-        files = self._files(trainer, name, target, whole_on_rank_zero)
+            except Exception as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
+                error = exc
+        # Every rank learns whether rank 0 made the folder, and all skip the strategy's save together if it did
+        # not (the save holds collectives: FSDP2, DeepSpeed; ModelParallelStrategy broadcasts the path). It is
+        # also the barrier that keeps every rank from writing before the folder is fresh.
+        began = not agree_any(trainer, error is not None)
+        if began:
+            try:
+                trainer.strategy.save_checkpoint(checkpoint, target)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
+                error = exc
+        files, error = self._files(trainer, name, target, whole_on_rank_zero, began, error)
         if trainer.is_global_zero and error is None:
             try:
                 self._finish(name, files, info, started)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
                 error = exc
         self._agree_saved(trainer, name, error)
         return store.url_of(name)
 
-    def _files(self, trainer, name: str, target: str, whole_on_rank_zero: bool) -> dict[str, FileEntry]:
-        """Every file of the checkpoint with its size and sha256, on rank 0 (collective for sharded strategies)."""
+    def _files(self, trainer, name: str, target: str, whole_on_rank_zero: bool, began: bool,
+               error: BaseException | None) -> tuple[dict[str, FileEntry], BaseException | None]:
+        """Every file of the checkpoint with its size and sha256, on rank 0 (collective for sharded strategies
+        when ``began``), and this rank's error so far (a file that cannot be hashed is one)."""
         written = self.io.written.pop(target, None)
         files = {STATE: written} if written else {}
         store = self.store
         if whole_on_rank_zero:
-            if trainer.is_global_zero and not files:  # a CheckpointIO of the user's own wrote it
+            if trainer.is_global_zero and not files and error is None:  # a CheckpointIO of the user's own wrote it
                 path = target if store.local else store.path(name, STATE)
-                files = {STATE: hash_file(store.fs, path, fsync=True)}
-            return files
+                try:
+                    files = {STATE: hash_file(store.fs, path, fsync=True)}
+                except OSError as exc:
+                    error = exc
+            return files, error
+        if not began:  # agreed: no rank wrote anything
+            return {}, error
         # Sharded: the strategy wrote files through its own code. Each rank lists the folder (its own files
-        # are surely there), then hashes and fsyncs a share of them.
+        # are surely there), then hashes and fsyncs a share of them, unless a rank failed: every rank sees that
+        # in the same gathered list, so all skip the second gather together.
         staging = store.staging(name)
         listing = [os.path.relpath(os.path.join(folder, f), staging) for folder, _, names in os.walk(staging) for f in names]
-        everyone = all_gather_object(trainer, (listing, files))
-        known = {rel: entry for _, theirs in everyone for rel, entry in theirs.items()}
-        todo = sorted({rel for seen, _ in everyone for rel in seen} - set(known) - {MARKER})
-        mine = {rel: hash_file(store.fs, os.path.join(staging, rel), fsync=True)
-                for rel in todo[trainer.global_rank :: trainer.world_size]}
+        everyone = all_gather_object(trainer, (listing, files, error is not None))
+        if any(failed for *_, failed in everyone):
+            return {}, error
+        known = {rel: entry for _, theirs, _ in everyone for rel, entry in theirs.items()}
+        todo = sorted({rel for seen, *_ in everyone for rel in seen} - set(known) - {MARKER})
+        mine = {}
+        try:
+            for rel in todo[trainer.global_rank :: trainer.world_size]:
+                mine[rel] = hash_file(store.fs, os.path.join(staging, rel), fsync=True)
+        except OSError as exc:
+            error = exc
         for part in all_gather_object(trainer, mine):
             known.update(part)
-        return known
+        return known, error
 
     def _finish(self, name: str, files: dict[str, FileEntry], info: dict, started: float,
                 blocked: float | None = None) -> None:
@@ -146,6 +191,8 @@ class Saver:
         size = sum(entry.size for entry in files.values())
         log.info("lit-dist: saved %s (%.1f MB in %.2f s)%s", self.last_path, size / 1e6, seconds,
                  f"; removed {', '.join(deleted)}" if deleted else "")
+        if store.local and not self._warned_room:
+            self._check_room(size, len(files), bool(deleted))
         if self.published is not None:
             self.published({"step": manifest["step"], "epoch": manifest["epoch"], "path": self.last_path, "bytes": size,
                             "seconds": round(seconds, 3), "reason": manifest["reason"],
@@ -166,13 +213,72 @@ class Saver:
             self._pending.result(timeout_s)
         except FutureTimeout:
             return TimeoutError(f"the background save did not finish within {timeout_s} s")
-        except BaseException as exc:  # noqa: BLE001 - the caller agrees on it with the other ranks
+        except BaseException as exc:  # noqa: BLE001 - handed on, not swallowed: the caller agrees on it and raises or logs it
             self._pending = None
             return exc
         self._pending = None
         return None
 
+    def _check_room(self, checkpoint_bytes: int, checkpoint_files: int, deleted: bool) -> None:
+        """Warn once (rank 0) when fewer than two more checkpoints fit: while freeing space is still cheap."""
+        store = self.store
+        here = room(store.root)
+        if too_little(here, checkpoint_bytes, checkpoint_files) and deleted:
+            CheckpointStore.wait_for_deletions()  # rotation frees its room on a thread: count it before warning
+            here = room(store.root)
+        if too_little(here, checkpoint_bytes, checkpoint_files):
+            self._warned_room = True
+            rank_zero_warn(low_room_warning(store.url, here, checkpoint_bytes, checkpoint_files))
+
     def _agree_saved(self, trainer, name: str, error: BaseException | None) -> None:
-        if agree_any(trainer, error is not None):
-            where = f": {type(error).__name__}: {error}" if error else " on another rank (see its log)"
-            raise CheckpointError(f"saving checkpoint {name} in {self.store.url} failed{where}") from error
+        """Every rank learns whether the save of ``name`` failed anywhere (one all-reduce); if it did, rank 0
+        removes what it left, the ranks exchange what went wrong, and every rank raises (see ``_raise``)."""
+        if not agree_any(trainer, error is not None):
+            return
+        store, facts = self.store, None
+        if trainer.is_global_zero:
+            store.abandon(name)  # no rank writes any more: all of them are here
+            facts = (room(store.root) if store.local else None, *self._newest())
+        everyone = all_gather_object(trainer, (_described(error), facts, self._state_bytes))
+        self._raise(trainer, name, error, everyone)
+
+    def _newest(self) -> tuple[str | None, int | None]:
+        """(the newest complete checkpoint or None, its size), for the message of a failed save; ("", None) where
+        the folder cannot be listed or its marker read: raising here would leave the other ranks waiting."""
+        try:
+            newest = next(iter(self.store.complete()), None)
+            return newest, self.store.bytes_of(newest) if newest else None
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable or damaged marker (see CheckpointStore.problem)
+            return "", None
+
+    def _raise(self, trainer, name: str, error: BaseException | None, everyone: list) -> None:
+        """The same outcome on every rank, in order of what the user can act on: a full disk (exit 16, one line),
+        another storage error (exit 1, one line). A bug is raised unchanged, traceback and all, on its rank."""
+        failed = [(rank, described) for rank, (described, *_) in enumerate(everyone) if described is not None]
+        if error is not None and _described(error)[0] == "bug":
+            raise error
+        here, newest, newest_bytes = everyone[0][1]
+        full = next(((rank, text) for rank, (kind, text) in failed if kind == "full"), None)
+        if full is not None:
+            estimate = (everyone[0][2] if compat.rank_zero_writes(trainer.strategy)
+                        else sum(state for *_, state in everyone))
+            raise StorageFull(full_message(name, self.store.url, full[1], here, newest_bytes or estimate, newest,
+                                           os.environ.get(RUN_ID_ENV), estimated=not newest_bytes)) from error
+        rank, (kind, text) = next(((r, d) for r, d in failed if d[0] == "storage"), failed[0])
+        where = f" on rank {rank}" if trainer.world_size > 1 else ""
+        if kind == "storage":
+            raise CheckpointError(f"saving checkpoint {name} in {self.store.url} failed{where}: {text}") from error
+        raise RuntimeError(f"saving checkpoint {name} failed{where} (its traceback is in that rank's log): {text}")
+
+
+def _described(error: BaseException | None) -> tuple[str, str] | None:
+    """(kind, text) of a save's error for the other ranks: "full" (no space, no inodes, over quota: the
+    strerror), "storage" (another OSError, also one held by torch.distributed.checkpoint's CheckpointException)
+    or "bug" (anything else)."""
+    if error is None:
+        return None
+    if (full := full_error(error)) is not None:
+        return "full", os.strerror(full.errno)
+    if isinstance(error, OSError | CheckpointException) and (found := os_errors(error)):
+        return "storage", f"{type(found[0]).__name__}: {found[0]}"
+    return "bug", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

@@ -14,6 +14,7 @@ and a folder without a marker is an interrupted save.
 """
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -32,6 +33,7 @@ TRASH = ".deleting-"
 PROBE = ".probe-"  # written by rank 0 at the start, read by every rank: is the folder shared?
 FORMAT = 1
 _DELETER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-delete")
+log = logging.getLogger(__name__)
 
 
 def checkpoint_name(step: int) -> str:
@@ -87,6 +89,23 @@ class CheckpointStore:
         self._manifests[name] = manifest
         write_bytes_atomically(self.fs, self.path(LATEST), (name + "\n").encode())
         return manifest
+
+    def abandon(self, name: str) -> None:
+        """Remove what a failed save of ``name`` left (local filesystems: its staging folder) now, not on a thread:
+        after a full disk, the room it took is what the user needs back. Call once no rank writes into it."""
+        if not self.local:
+            return  # objects at their final keys without a marker: ``clean`` removes them when the next run starts
+        try:
+            shutil.rmtree(self.staging(name))
+        except FileNotFoundError:
+            pass  # the save failed before its folder was made
+        except OSError as exc:
+            log.warning("lit-dist: could not remove %s (%s); the next run removes it when it starts",
+                        self.staging(name), exc)
+
+    def bytes_of(self, name: str) -> int:
+        """Size of a complete checkpoint's files, from its manifest."""
+        return sum(entry["size"] for entry in self.manifest(name)["files"].values())
 
     def set_metric(self, name: str, metric: dict) -> None:
         """Record a monitored value in a complete checkpoint's marker (rewritten atomically)."""

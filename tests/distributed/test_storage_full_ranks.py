@@ -1,0 +1,68 @@
+"""A disk that fills during a checkpoint on 2 processes (DDP, FSDP2 over gloo), made for real with a small
+tmpfs: every rank ends with the same one line and exit 16, no rank waits for another (a test timeout), no
+process is left, no partial save stays, and (DDP) the run resumes from a copy on a bigger disk.
+
+- DDP: rank 0 writes the file and runs out of space (800 KiB: steps 2 and 4 fit, 6 does not).
+- FSDP2, out of space: both ranks write their shards through torch.distributed.checkpoint, which reports a
+  rank's failed write to every rank (700 KiB: the save at step 2 fits, 4 does not).
+- FSDP2, out of inodes: the checkpoint folder alone on a tmpfs of 9 inodes (its root, one sharded checkpoint of
+  7, ``latest``), so the save at step 4 fails when rank 0 makes its folder, before any rank writes: the other
+  rank must not wait for it in a collective rank 0 never reaches.
+"""
+
+import shutil
+
+import pytest
+
+from lit_dist.ckpt.store import CheckpointStore, checkpoint_name
+from tests.conftest import CONFIGS, lit_dist, quickstart_args
+from tests.helpers.processes import left_after
+from tests.helpers.small_fs import RUN, check_ended_full, mounter
+
+pytestmark = pytest.mark.distributed
+
+BOUND_S = 10.0  # README, "Faults": every process of a run is gone this long after the job exits
+FSDP2 = ["--config", str(CONFIGS / "fsdp2.yaml")]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    yield from mounter(tmp_path)
+
+
+def run(root, demo_data, *extra: str, **overrides):
+    out = lit_dist("fit", *quickstart_args(root, demo_data, trainer__devices=2, **{**RUN, **overrides}), *extra,
+                   timeout=180)
+    return out, left_after(out.pid, BOUND_S)
+
+
+def test_ddp_a_full_disk_ends_every_rank_with_exit_16_and_resumes_on_a_bigger_one(small_fs, tmp_path, demo_data):
+    small = small_fs("small", 800)
+    out, left = run(small, demo_data, trainer__strategy="ddp")
+    run_dir = small / "quickstart" / "full"
+    check_ended_full(out, run_dir / "checkpoints", failed=6, newest=4, ranks=2)
+    assert not left, left
+
+    big = tmp_path / "big"
+    shutil.copytree(run_dir, big / "quickstart" / "full")
+    resumed, left = run(big, demo_data, trainer__strategy="ddp")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    checkpoints = big / "quickstart" / "full" / "checkpoints"
+    assert f"resuming from {checkpoints / checkpoint_name(4)}" in resumed.stdout + resumed.stderr
+    assert CheckpointStore(str(checkpoints)).find_valid()[0] == checkpoint_name(10)
+    assert not left, left
+
+
+def test_fsdp2_a_shard_that_does_not_fit_ends_every_rank_with_exit_16(small_fs, demo_data):
+    small = small_fs("small", 700)
+    out, left = run(small, demo_data, *FSDP2)
+    check_ended_full(out, small / "quickstart" / "full" / "checkpoints", failed=4, newest=2, ranks=2)
+    assert not left, left
+
+
+def test_fsdp2_rank_0_failing_to_make_the_folder_ends_every_rank_with_exit_16(small_fs, tmp_path, demo_data):
+    checkpoints = small_fs("checkpoints", 10_000, inodes=9)
+    out, left = run(tmp_path, demo_data, *FSDP2, checkpoint__dirpath=checkpoints)
+    line = check_ended_full(out, checkpoints, failed=4, newest=2, ranks=2)
+    assert "no free inodes" in line, line
+    assert not left, left
