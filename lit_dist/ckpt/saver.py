@@ -100,27 +100,38 @@ class Saver:
         self._state_bytes = state_bytes(checkpoint)  # the strategy may take parts of it apart while saving
         if self.async_save and whole_on_rank_zero:
             if trainer.is_global_zero:
-                state = self._snapshot.take(checkpoint)
+                self._write_in_background(name, target, checkpoint, info, started)
+        else:
+            self._write(trainer, name, target, checkpoint, info, started, whole_on_rank_zero)
+        return store.url_of(name)
 
-                blocked = time.monotonic() - started  # the loop waits only for the copy
+    def _write_in_background(self, name: str, target: str, checkpoint: dict, info: dict, started: float) -> None:
+        """Rank 0: copy the state aside, then write it on the saver's thread (``wait_for_save`` agrees on it)."""
+        store = self.store
+        state = self._snapshot.take(checkpoint)
+        blocked = time.monotonic() - started  # the loop waits only for the copy
 
-                def write() -> None:
-                    written = False
-                    try:
-                        store.begin(name)
-                        self.io.save_checkpoint(state, target)
-                        self._finish(name, {STATE: self.io.written.pop(target)}, info, started, blocked)
-                        written = True
-                    finally:
-                        if not written:  # also when the run ends before the failure is agreed on
-                            store.abandon(name)
+        def write() -> None:
+            written = False
+            try:
+                store.begin(name)
+                self.io.save_checkpoint(state, target)
+                self._finish(name, {STATE: self.io.written.pop(target)}, info, started, blocked)
+                written = True
+            finally:
+                if not written:  # also when the run ends before the failure is agreed on
+                    store.abandon(name)
 
-                self._pending = self._writer.submit(write)
-            return store.url_of(name)
+        self._pending = self._writer.submit(write)
+
+    def _write(self, trainer, name: str, target: str, checkpoint: dict, info: dict, started: float,
+               whole_on_rank_zero: bool) -> None:
+        """Every rank: write now, agree on the outcome; the same collectives in the same order on every rank
+        whatever fails where."""
         error = None
         if trainer.is_global_zero:
             try:
-                store.begin(name)
+                self.store.begin(name)
             except Exception as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
                 error = exc
         # Every rank learns whether rank 0 made the folder, and all skip the strategy's save together if it did
@@ -139,7 +150,6 @@ class Saver:
             except Exception as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
                 error = exc
         self._agree_saved(trainer, name, error)
-        return store.url_of(name)
 
     def _files(self, trainer, name: str, target: str, whole_on_rank_zero: bool, began: bool,
                error: BaseException | None) -> tuple[dict[str, FileEntry], BaseException | None]:
