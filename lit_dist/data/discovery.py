@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lit_dist.data.unreadable import MISSING, BadImage, decode_errors, permission_denied
 from lit_dist.data.workers import context, ignore_stop_signals
 
 if TYPE_CHECKING:
@@ -69,7 +70,10 @@ def scan_folder(
 
     def list_once() -> list[str]:
         nonlocal listing
-        listing = _reuse(_list_images(fs, base.rstrip("/")), previous)
+        try:
+            listing = _reuse(_list_images(fs, base.rstrip("/")), previous)
+        except PermissionError as exc:  # wrong credentials, or a policy without listing: the user's fix
+            raise permission_denied(root, exc) from exc
         return [listing.names[i] for i in listing.pending]
 
     # One listing, sent to every rank: listings taken by each rank could differ while files are being added.
@@ -183,18 +187,25 @@ def _read_sizes(fs, paths: list[str], workers: int | None, progress_title: str |
         job = _header_sizes_remote
         args = [(fs, c) for c in chunks]
     results: list[tuple[int, int]] = []
-    with tqdm(total=len(paths), desc=progress_title, unit="img", disable=progress_title is None, mininterval=1) as bar:
-        mapped = pool.map(job, args) if pool else map(job, args)
-        for sizes in mapped:
-            results.extend(sizes)
-            bar.update(len(sizes))
-    if pool:
-        pool.shutdown()
+    try:
+        with tqdm(total=len(paths), desc=progress_title, unit="img", disable=progress_title is None,
+                  mininterval=1) as bar:
+            mapped = pool.map(job, args) if pool else map(job, args)
+            for sizes in mapped:
+                results.extend(sizes)
+                bar.update(len(sizes))
+    finally:
+        if pool:  # after an error (credentials, an outage) the chunks not started are dropped, not read in vain
+            pool.shutdown(cancel_futures=True)
     return results
 
 
 def header_size(f) -> tuple[int, int]:
-    """(width, height) of an open image file as displayed (EXIF rotation applied), from its header alone."""
+    """(width, height) of an open image file as displayed (EXIF rotation applied), from its header alone.
+
+    The bytes are read first and parsed from memory, so an error of the storage (raised by ``f.read``: a
+    permission, an outage) is never taken for an image that does not decode (``BadImage``, from the parsing).
+    """
     head = f.read(8192)  # the frame header usually sits in the first few KB
     if head[:2] == b"\xff\xd8":
         size = _jpeg_size(head)
@@ -203,15 +214,30 @@ def header_size(f) -> tuple[int, int]:
             size = _jpeg_size(head)
         if size is not None:
             return size
-    f.seek(0)
+    if len(head) == 8192:
+        head += f.read(65536 - len(head))
+    try:
+        return _pillow_size(head)
+    except BadImage:
+        if len(head) < 65536:  # that was the whole file
+            raise
+    return _pillow_size(head + f.read())  # a header past the first 64 KB (a TIFF's directory at its end)
+
+
+def _pillow_size(data: bytes) -> tuple[int, int]:
+    import io
+
     from PIL import Image
 
-    with Image.open(f) as img:
-        width, height = img.size
-        if img.format in ("JPEG", "TIFF", "WEBP", "PNG"):
-            orientation = img.getexif().get(0x0112)
-            if orientation in _TRANSPOSED:
-                width, height = height, width
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if img.format in ("JPEG", "TIFF", "WEBP", "PNG"):
+                orientation = img.getexif().get(0x0112)
+                if orientation in _TRANSPOSED:
+                    width, height = height, width
+    except decode_errors() as exc:
+        raise BadImage(str(exc)) from exc
     return width, height
 
 
@@ -267,26 +293,28 @@ def _exif_orientation(tiff: bytes) -> int:
 
 
 def _header_sizes_local(paths: list[str]) -> list[tuple[int, int]]:
-    out = []
-    for path in paths:
-        try:
-            with open(path, "rb") as f:
-                out.append(header_size(f))
-        except Exception:  # unreadable: reported as a bad row (size 0) by the metadata check
-            out.append((0, 0))
-    return out
+    return [_size_or_zero(lambda p=path: open(p, "rb"), path) for path in paths]
 
 
 def _header_sizes_remote(job) -> list[tuple[int, int]]:
     fs, paths = job
-    out = []
-    for path in paths:
-        try:
-            with fs.open(path, "rb", block_size=64 * 1024) as f:  # a header fits in the first block
-                out.append(header_size(f))
-        except Exception:
-            out.append((0, 0))
-    return out
+    # A header fits in the first block of 64 KB: one request per file.
+    return [_size_or_zero(lambda p=path: fs.open(p, "rb", block_size=64 * 1024), fs.unstrip_protocol(path))
+            for path in paths]
+
+
+def _size_or_zero(opener, path: str) -> tuple[int, int]:
+    """(width, height) of one file; (0, 0) for an image that does not decode or a file gone since the listing,
+    which the metadata check reports as a bad row. A permission error is a data error naming the file (wrong
+    credentials fail every file: one message, not a table of bad rows); any other error of the storage (an
+    outage) propagates."""
+    try:
+        with opener() as f:
+            return header_size(f)
+    except (BadImage, *MISSING):
+        return (0, 0)
+    except PermissionError as exc:
+        raise permission_denied(path, exc) from exc
 
 
 def load_or_scan(root: str, cache_path: str, storage_options: dict | None = None, labels_from_folders: bool = False,
@@ -305,8 +333,9 @@ def load_or_scan(root: str, cache_path: str, storage_options: dict | None = None
     cache_fs, cache_file = fsspec.core.url_to_fs(cache_path)
     if preserve_cache:
         # Decided together: every rank must take the same branch, and with node-local cache folders
-        # (the default ~/.cache on nodes without a shared home) some ranks may lack the file.
-        if all(comm.all_gather(cache_fs.exists(cache_file))):
+        # (the default ~/.cache on nodes without a shared home) some ranks may lack the file. A damaged
+        # copy (truncated, empty) counts as none: the folder is scanned again, never a run stopped on it.
+        if all(comm.all_gather(cache_fs.exists(cache_file) and _readable_index(cache_path))):
             if comm.rank == 0:
                 log.info("lit-dist: using the cached index %s as it is (preserve_cache)", cache_path)
             return cache_path
@@ -314,6 +343,22 @@ def load_or_scan(root: str, cache_path: str, storage_options: dict | None = None
     table = scan_folder(root, storage_options, labels_from_folders, workers, previous, progress, comm)
     publish_table(table, cache_path, comm)
     return cache_path
+
+
+def _readable_index(path: str) -> bool:
+    """Whether ``path`` is a whole index table (its parquet footer and columns read), warning when it is not."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    try:
+        fs, file = fsspec.core.url_to_fs(path)
+        with fs.open(file, "rb") as f:
+            names = pq.read_schema(f).names
+    except (OSError, ValueError) as exc:  # pyarrow's errors for a file that is not parquet are both
+        log.warning("lit-dist: the cached index %s is damaged (%s); scanning the folder again (data.preserve_cache "
+                    "keeps only a readable index)", path, exc)
+        return False
+    return {"filename", "width", "height"} <= set(names)
 
 
 def read_previous_index(path: str):

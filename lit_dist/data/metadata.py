@@ -132,7 +132,9 @@ def read_metadata(
     try:
         schema = pq.read_schema(files[0], filesystem=fs)
     except Exception as exc:  # pyarrow raises several types for a file that is not parquet
-        raise DataError(f"data.metadata = {path!r}: {files[0]} is not a readable parquet file ({exc})") from exc
+        raise DataError(f"data.metadata = {path!r}: {files[0]} is not a readable parquet file ({exc}): it is damaged "
+                        "(truncated, empty) or not parquet; write it again (for a table of `lit-dist index`: run it "
+                        "again)") from exc
     missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
     if missing:
         raise DataError(
