@@ -41,7 +41,7 @@ def plan_for(data, parts: list):
         needs.append(DatasetNeed(
             images=data._dataset(source, meta, np.arange(len(meta)), buckets, random_crop=False),
             sizes=data.bucket_sizes[buckets], samples=sample_ids(meta.filenames, source.image_root), identity=identity,
-            captions=captions,
+            captions=captions, root_field=data.root_field(len(needs)),
         ))
     buckets = {"resolution": data.resolution, "alignment": data.alignment, "max_aspect": data.max_aspect}
     return CachePlan(data.cache, needs, buckets, *data.normalisation, storage_options=data.storage_options)
@@ -74,7 +74,7 @@ def open_views(data, parts: list, device: torch.device) -> Opened:
         details = []
         for c in incomplete:
             other = plan.describe_other(c.field, c.other_configs)
-            details.append(c.summary() + (f"; stale entries were built for another configuration: {other}" if other else ""))
+            details.append(c.summary() + (f"; {other}" if other else ""))
         raise DataError(f"data.cache.dir = {cache.dir!r} is incomplete for this run: {'; '.join(details)}. Build what "
                         "is missing with `lit-dist cache --config <this config>` (every rank of a job builds its "
                         "share), or set data.cache.mode: build.")
@@ -84,13 +84,16 @@ def open_views(data, parts: list, device: torch.device) -> Opened:
 
 def _fill(plan, device: torch.device) -> Opened:
     """Mode ondemand: read what the cache has; what it lacks is made while training (see ondemand.py)."""
-    from lit_dist.cache.build import check_encoder, prepare
+    from lit_dist.cache.build import _drop_damaged, check_encoder, check_sources, prepare
     from lit_dist.cache.ondemand import FillKeys, OnDemandFill
     from lit_dist.distributed import Comm
 
-    prepare(plan, Comm.current())
+    comm = Comm.current()
+    prepare(plan, comm)
+    _drop_damaged(plan, comm, verify=False)  # their samples are made again while training
     check_encoder(plan, device)
     found, coverage = plan.match()
+    check_sources(plan, found, comm)  # what is missing is decoded while training: are its images there?
     views = plan.views(found)
     rank_zero_info("lit-dist: " + "; ".join(c.summary() for c in coverage.values())
                    + f" in {plan.config.dir}; what is missing is cached while training (mode ondemand)")

@@ -28,6 +28,7 @@ import torch
 
 from lit_dist.cache.plan import CachePlan
 from lit_dist.cache.store import new_build_id
+from lit_dist.data.unreadable import BadImage
 from lit_dist.data.workers import STOP_SIGNALS, Start, context, ignore_stop_signals
 from lit_dist.distributed import Comm
 from lit_dist.errors import ConfigError, Preempted
@@ -47,6 +48,7 @@ def build(plan: CachePlan, device: torch.device, num_workers: int, batch_size: i
     # split 304/296 over 2 ranks, and the build waits for the larger share).
     encoding = plan.encoder is not None or plan.caption_encoder is not None
     work = _work(plan, found, plan.config.encoder_batch_size or (batch_size if encoding else 4))
+    check_sources(plan, found, comm)
     mine = _share(work, comm.rank, comm.world)
     started = time.perf_counter()
 
@@ -106,6 +108,23 @@ def prepare(plan: CachePlan, comm: Comm) -> None:
 
     comm.on_rank_zero(on_rank_zero, "preparing the cache")  # its error, if any, is raised on every rank
     plan.store.check()
+
+
+def check_sources(plan: CachePlan, found: list[dict], comm: Comm) -> None:
+    """Every rank looks up a sample of the source images the cache lacks (``found``: per dataset, each field's
+    entry positions, -1 where missing) before any is decoded: a wrong data.root is a data error now, not a
+    loader worker's failure after start-up."""
+    from lit_dist.data.presence import check_files_exist
+
+    def check() -> None:
+        for need, entries in zip(plan.needs, found, strict=True):
+            lacking = [entries[name] < 0 for name in plan.fields if name != "caption_encoder"]  # captions: no image
+            if lacking:
+                images = need.images
+                check_files_exist(images.url, images.filenames, np.flatnonzero(np.logical_or.reduce(lacking)),
+                                  need.root_field[0], images.storage_options, need.root_field[1])
+
+    comm.on_every_rank(check, "checking that the images to cache are there")
 
 
 def check_encoder(plan: CachePlan, device: torch.device) -> None:
@@ -210,7 +229,7 @@ class _Decode(torch.utils.data.Dataset):
         for i in np.flatnonzero(wanted):
             try:
                 images[i] = self.images[d].covering(int(rows[i]), w, h)
-            except Exception as exc:  # unreadable source: recorded as such, replaced at load like any bad image
+            except BadImage as exc:  # unreadable source: recorded as such, replaced at load like any bad image
                 log.warning("lit-dist cache: cannot read %s (%s)", self.images[d]._path(int(rows[i])), exc)
                 unreadable[i] = True
         return d, rows, lacking, (w, h), images, unreadable

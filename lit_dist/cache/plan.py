@@ -30,6 +30,7 @@ class DatasetNeed:
     samples: np.ndarray  # uint64 id of each row
     identity: np.ndarray | None = None  # uint64 version of each source file (size and mtime, or ETag); set by plan_for
     captions: object = None  # pyarrow strings, for a caption encoder
+    root_field: tuple[str, str] = ("data.root", "")  # the config field of its image root, and how it is set
     keys: dict[str, np.ndarray] = field(default_factory=dict)  # field -> uint64 key of each row
 
 
@@ -117,14 +118,21 @@ class CachePlan:
         return views
 
     def describe_other(self, name: str, fingerprints: tuple) -> str:
-        """How the configurations behind stale entries differ from today's, in a few words."""
+        """What the stale entries of field ``name`` were built for, and what differs, in a few words: another
+        configuration (named by ``configs.json``), or this one from source files that changed since."""
         configs = self.store.configs(name)
         ours = self.descriptions[name]
         parts = []
         for fp in fingerprints:
-            theirs = configs.get(fp)
-            if theirs is None or fp == self.fingerprints[name]:
+            if fp == self.fingerprints[name]:  # same configuration, other key: the source file or its size changed
+                parts.append("stale entries are of this configuration, built from source files that changed since "
+                             "(their size, modification time or ETag, or the table's width and height)")
                 continue
-            changed = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-            parts.append(f"{fp} (differs in {', '.join(changed) or 'nothing recorded'})")
+            theirs = configs.get(fp)
+            if theirs is None:
+                what = f"what differs is unknown: {name}/configs.json does not describe it"
+            else:
+                changed = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+                what = f"differs in {', '.join(changed) or 'nothing recorded'}"
+            parts.append(f"stale entries were built for another configuration: {fp} ({what})")
         return "; ".join(parts)

@@ -6,6 +6,7 @@ that byte range and nothing else: a slice of the memory-mapped shard locally, on
 GET on an object store.
 """
 
+import dataclasses
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,8 @@ import numpy as np
 
 from lit_dist.cache.keys import _combine
 from lit_dist.cache.shards import ENCODING_KEYS, CorruptEntry, decode, read_index
+from lit_dist.data.unreadable import MISSING as FILE_MISSING
+from lit_dist.data.unreadable import BadSample
 
 MISSING = -1
 
@@ -29,6 +32,7 @@ class Coverage:
     stale: int = 0  # the sample has entries, but none with today's key (source, transform or encoder changed)
     unreadable: int = 0  # known bad sources (recorded while building): replaced at load like bad images
     other_configs: tuple = ()  # fingerprints of the stale entries' configurations
+    damaged: dict = dataclasses.field(default_factory=dict)  # shard name -> why it is not read: its samples count as missing
 
     @property
     def missing(self) -> int:
@@ -40,20 +44,49 @@ class Coverage:
         self.stale += other.stale
         self.unreadable += other.unreadable
         self.other_configs = tuple(sorted(set(self.other_configs) | set(other.other_configs)))
+        self.damaged = {**self.damaged, **other.damaged}
 
     def summary(self) -> str:
+        damaged = "; ".join(f"shard {name} {problem}" for name, problem in sorted(self.damaged.items())[:3])
+        if len(self.damaged) > 3:
+            damaged += f"; {len(self.damaged) - 3} more damaged shards"
         return (f"{self.field}: {self.hits} of {self.needed} cached ({self.hits / max(self.needed, 1):.1%}), "
-                f"{self.missing} missing ({self.stale} of them stale), {self.unreadable} unreadable sources")
+                f"{self.missing} missing ({self.stale} of them stale), {self.unreadable} unreadable sources"
+                + (f" (damaged, not read: {damaged})" if damaged else ""))
 
 
 class FieldIndex:
     """Every published entry of one field, sorted for lookups."""
 
     def __init__(self, store, field: str, shards: list[dict]):
-        self.store, self.field, self.shards = store, field, shards
-        self.fingerprints = np.array([s["fingerprint"] for s in shards]) if shards else np.zeros(0, dtype="<U16")
+        self.store, self.field = store, field
+        # A shard whose data or index file is missing, of another size or unreadable is left out (its samples are
+        # missing: mode read refuses to start, a build rebuilds them), not found in the middle of an epoch.
+        self.damaged: dict[str, str] = {}
+        sizes = store.file_sizes(field) if shards else {}  # one listing, not a request per file
+        usable = []
+        for s in shards:
+            if problem := store.shard_problem(field, s, False, sizes):
+                self.damaged[s["name"]] = f"{problem} ({s['samples']} samples)"
+            else:
+                usable.append(s)
+
+        def read(shard: dict):
+            try:
+                return read_index(store.read_index(field, shard))
+            except (FileNotFoundError, ValueError) as exc:  # gone meanwhile; not its sha256; not an index
+                return exc
+
         with ThreadPoolExecutor(8) as pool:  # object stores: the index files are read concurrently
-            tables = list(pool.map(lambda s: read_index(store.read_index(field, s)), shards))
+            tables, self.shards = [], []
+            for s, table in zip(usable, pool.map(read, usable), strict=True):
+                if isinstance(table, Exception):
+                    self.damaged[s["name"]] = f"index file unreadable: {table} ({s['samples']} samples)"
+                else:
+                    tables.append(table)
+                    self.shards.append(s)
+        shards = self.shards
+        self.fingerprints = np.array([s["fingerprint"] for s in shards]) if shards else np.zeros(0, dtype="<U16")
         count = sum(t.num_rows for t in tables)
         self.sample = np.empty(count, dtype=np.uint64)
         self.key = np.empty(count, dtype=np.uint64)
@@ -76,7 +109,7 @@ class FieldIndex:
 
     def match(self, samples: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, Coverage]:
         """Per needed sample, the entry position in this index (-1 if none), and the coverage."""
-        coverage = Coverage(self.field, needed=len(samples))
+        coverage = Coverage(self.field, needed=len(samples), damaged=dict(self.damaged))
         if not len(self._sorted):
             found = np.full(len(samples), MISSING, dtype=np.int64)
             return found, coverage
@@ -113,7 +146,7 @@ class FieldIndex:
         )
 
 
-class MissingEntry(Exception):
+class MissingEntry(BadSample):
     """No usable entry for a sample: not built, or its source could not be decoded when it was."""
 
 
@@ -152,8 +185,11 @@ class FieldView:
             # Mapped, not read: the sample's bytes are decoded straight from the page cache, no copy first.
             mapped = self._files.get(url)  # by path: an ondemand run re-numbers the shards when it publishes new ones
             if mapped is None:
-                with open(url, "rb") as f:
-                    mapped = self._files[url] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                try:
+                    with open(url, "rb") as f:
+                        mapped = self._files[url] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                except FILE_MISSING as exc:  # removed since the run started: its entries are bad, not the run
+                    raise CorruptEntry(f"its shard {url} is missing") from exc
             if offset + length > len(mapped):
                 raise CorruptEntry(f"{url} is shorter than its index says")
             return mapped[offset : offset + length]
@@ -161,7 +197,10 @@ class FieldView:
             import fsspec
 
             self._fs = fsspec.core.url_to_fs(url, **self.storage_options)[0]
-        return self._fs.cat_file(url, start=offset, end=offset + length)  # one ranged GET
+        try:
+            return self._fs.cat_file(url, start=offset, end=offset + length)  # one ranged GET
+        except FILE_MISSING as exc:  # any other error (an outage, credentials) is not the entry's: it propagates
+            raise CorruptEntry(f"its shard {url} is missing") from exc
 
 
 __all__ = ["Coverage", "CorruptEntry", "FieldIndex", "FieldView", "MissingEntry"]

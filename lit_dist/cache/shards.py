@@ -28,6 +28,7 @@ known bad, not missing.
 """
 
 import functools
+import json
 import math
 import zlib
 
@@ -35,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from lit_dist.cache.config import CacheConfig
+from lit_dist.data.unreadable import BadSample
 
 DTYPES = {"uint8": np.uint8, "bf16": np.uint16, "fp16": np.float16, "fp32": np.float32}  # bf16: stored as raw 16-bit
 INDEX_SCHEMA = pa.schema([("sample", pa.uint64()), ("key", pa.uint64()), ("offset", pa.uint32()),
@@ -273,8 +275,31 @@ def read_index(data: bytes) -> pa.Table:
     return pa.ipc.open_file(pa.py_buffer(data)).read_all()
 
 
-class CorruptEntry(Exception):
-    """A cached entry's bytes do not match its crc32, or do not decode."""
+DESCRIPTION = b"lit-dist shard"  # schema metadata key of an index file: its shard's manifest entry, as JSON
+
+
+def described_index(index: bytes, entry: dict) -> bytes:
+    """An index file's bytes with its shard's manifest entry (name, fingerprint, size, sha256, encoding, counts)
+    in its schema's metadata: a shard and its index then describe themselves, and a damaged or lost manifest is
+    rebuilt from the index files (``CacheStore.manifest``). Readers that do not look for it read it as before."""
+    table = read_index(index).replace_schema_metadata({DESCRIPTION: json.dumps(entry, sort_keys=True).encode()})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def index_description(index: pa.Table) -> dict | None:
+    """The manifest entry an index file carries (``described_index``); None for index files written before."""
+    raw = (index.schema.metadata or {}).get(DESCRIPTION)
+    if raw is None:
+        return None
+    entry = json.loads(raw)
+    return entry if isinstance(entry, dict) else None
+
+
+class CorruptEntry(BadSample):
+    """A cached entry's bytes do not match its crc32, or do not decode: replaced like a bad image."""
 
 
 def decode(data: bytes | memoryview, crc: int, dtype: str, encoding: dict | None = None) -> np.ndarray:

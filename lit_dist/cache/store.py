@@ -15,13 +15,25 @@ object appears whole), then the rank's pending list is rewritten to name it, and
 folds the pending lists into the manifest when every rank is done. A build that was killed
 leaves pending lists of complete shards (kept: the next build does not redo them) and
 perhaps unlisted files (torn or never listed: removed, never read).
+
+Damaged files. Each index file carries its shard's manifest entry (``shards.described_index``),
+so a manifest that is unreadable, truncated, empty or gone while shards remain is rebuilt from
+the index files (with a warning; a build writes it back), and so are the shards of a damaged
+pending list. A damaged or missing ``CACHE.json`` in a folder that holds only a cache's fields is
+written again. A damaged ``configs.json`` only loses the names of older configurations. A shard
+or index file that is missing, of the wrong size or unreadable makes its shard damaged: its
+samples count as missing (mode read refuses to start), and a build drops it and rebuilds them.
 """
 
+import hashlib
 import json
 import os
 import time
 import uuid
 
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lit_dist.cache.shards import described_index, index_description, read_index
 from lit_dist.ckpt.files import filesystem, hash_file, is_local, write_bytes_atomically
 from lit_dist.errors import ConfigError, DataError
 
@@ -31,6 +43,8 @@ from lit_dist.errors import ConfigError, DataError
 FORMAT = 3
 MARKER = "CACHE.json"
 KIND = "lit-dist cache"
+FIELDS = ("pixels", "encoder", "caption_encoder")  # the folders a cache holds (CacheConfig.fields)
+ENTRY_KEYS = ("name", "fingerprint", "bytes", "sha256", "raw_bytes", "samples", "entries", "index_bytes", "index_sha256")
 
 
 class CacheStore:
@@ -43,6 +57,8 @@ class CacheStore:
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"data.cache.dir = {url!r}: cannot open it ({exc})") from exc
         self.local = is_local(self.fs)
+        self._recovered: dict[str, tuple[str, dict]] = {}  # field -> (what was wrong, the manifest rebuilt)
+        self._warned: set[str] = set()  # problems already told, once per store
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -59,8 +75,13 @@ class CacheStore:
         self.refresh()
         try:
             if self.fs.exists(self.path(MARKER)):
-                with self.fs.open(self.path(MARKER), "rb") as f:
-                    marker = json.loads(f.read())
+                try:
+                    with self.fs.open(self.path(MARKER), "rb") as f:
+                        marker = json.loads(f.read())
+                except ValueError as exc:  # truncated, empty, not text
+                    return self._lost_marker(f"is damaged ({exc})", create)
+                if not isinstance(marker, dict):
+                    return self._lost_marker("is damaged (not a JSON object)", create)
                 if marker.get("kind") != KIND:
                     raise DataError(f"data.cache.dir = {self.url!r}: {MARKER} there is not a lit-dist cache marker; "
                                     "point data.cache.dir at another folder")
@@ -70,19 +91,46 @@ class CacheStore:
                                     "another data.cache.dir")
                 return True
             if self.fs.exists(self.root) and self.fs.ls(self.root, detail=False):
+                if self._holds_fields():
+                    return self._lost_marker("is missing", create)
                 raise DataError(f"data.cache.dir = {self.url!r} is a folder with other files in it and no {MARKER}: "
                                 "it is not a lit-dist cache. Point data.cache.dir at an empty or new folder.")
             if create:
                 write_bytes_atomically(self.fs, self.path(MARKER),
                                        json.dumps({"kind": KIND, "format": FORMAT, "created": time.time()}).encode())
                 return True
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DataError(f"data.cache.dir = {self.url!r}: its {MARKER} is unreadable ({exc})") from exc
         except OSError as exc:  # permissions, a file where a folder should be, an unreachable store
             raise ConfigError(f"data.cache.dir = {self.url!r}: this process cannot {'create' if create else 'read'} "
                               f"it ({exc}). Give this user read (and for building, write) access, or choose another "
                               "folder.") from exc
         return False
+
+    def _holds_fields(self) -> bool:
+        """Whether the folder holds a lit-dist cache's fields and nothing else (bar its marker and temporary files):
+        its marker was lost or damaged, it is not some other folder."""
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        fields = [n for n in names if n in FIELDS]
+        return (bool(fields) and all(n in (*FIELDS, MARKER) or n.startswith(".") for n in names)
+                and any(self.fs.exists(self.path(f, "manifest.json")) or self.fs.exists(self.path(f, "shards"))
+                        for f in fields))
+
+    def _lost_marker(self, problem: str, create: bool) -> bool:
+        """A cache whose marker is damaged or gone: written again by a build, taken as it is by readers."""
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        if not self._holds_fields() and any(n != MARKER and not n.startswith(".") for n in names):
+            raise DataError(f"data.cache.dir = {self.url!r}: its {MARKER} {problem}, and the folder holds other files "
+                            "than a lit-dist cache's: point data.cache.dir at an empty or new folder")
+        if create:
+            write_bytes_atomically(self.fs, self.path(MARKER),
+                                   json.dumps({"kind": KIND, "format": FORMAT, "created": time.time()}).encode())
+        self._warn(f"lit-dist: {self.url}/{MARKER} {problem}, but the folder holds a lit-dist cache's fields only: "
+                   + ("written again" if create else "read as a cache (lit-dist cache writes the marker again)"))
+        return True
+
+    def _warn(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            rank_zero_warn(message)
 
     def check_writable(self) -> None:
         """Fail early, with the path, when this process cannot write into the cache."""
@@ -105,16 +153,87 @@ class CacheStore:
             return json.loads(f.read())
 
     def manifest(self, field: str) -> dict:
-        """The published shards of ``field``: {"format", "shards": [...]}."""
+        """The published shards of ``field``: {"format", "shards": [...]}. A manifest that is damaged, or missing
+        while shards remain, is rebuilt from the shards' index files (see the module docstring)."""
         self.refresh()
-        manifest = self._read_json(field, "manifest.json", default={"format": FORMAT, "shards": []})
+        try:
+            manifest = self._read_json(field, "manifest.json")
+            problem = _manifest_problem(manifest) if manifest is not None else None
+        except ValueError as exc:  # truncated, empty, not text
+            manifest, problem = None, f"is damaged ({exc})"
+        if manifest is None and problem is None:
+            if not self._index_files(field):
+                return {"format": FORMAT, "shards": []}  # a new cache
+            problem = "is missing"
+        if problem is not None:
+            return self._rebuilt(field, problem)
         if int(manifest.get("format", 0)) > FORMAT:
             raise DataError(f"{self.url}/{field}/manifest.json has format {manifest['format']}, newer than this "
                             f"lit-dist reads ({FORMAT}): upgrade lit-dist")
         return manifest
 
+    def _rebuilt(self, field: str, problem: str) -> dict:
+        """The manifest of ``field`` rebuilt from its index files, made (and told) once per store."""
+        if self._recovered.get(field, (None,))[0] != problem:
+            shards, lost = self.described_shards(field)
+            self._recovered[field] = problem, {"format": FORMAT, "shards": shards}
+            samples = sum(s["samples"] for s in shards)
+            self._warn(f"lit-dist: {self.url}/{field}/manifest.json {problem}: rebuilt from the index files beside its "
+                       f"shards, which describe them ({len(shards)} shards, {samples} samples"
+                       + (f"; {len(lost)} shards without a readable description are rebuilt" if lost else "")
+                       + "); lit-dist cache writes it back")
+        return self._recovered[field][1]
+
+    def _index_files(self, field: str) -> list[str]:
+        """The names of the index files in ``field``'s shard folder."""
+        folder = self.path(field, "shards")
+        if not self.fs.exists(folder):
+            return []
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False))
+        return sorted(n for n in names if n.endswith(".index.arrow") and not n.startswith("."))
+
+    def described_shards(self, field: str) -> tuple[list[dict], list[str]]:
+        """Manifest entries of the shards in ``field``'s folder whose index files describe them and whose two files
+        are whole (sizes as described), and the names of the other shards (written before index files carried a
+        description, or damaged: never trusted)."""
+        sizes = self.file_sizes(field)
+        shards, lost = [], []
+        for base in self._index_files(field):
+            name = base.removesuffix(".index.arrow")
+            try:
+                with self.fs.open(self.path(field, "shards", base), "rb") as f:
+                    data = f.read()
+                entry = index_description(read_index(data))
+            except (FileNotFoundError, ValueError):  # gone meanwhile, or not an index (pyarrow's errors are ValueErrors)
+                entry = None
+            if (entry is None or entry.get("name") != name or any(k not in entry for k in ENTRY_KEYS[:7])
+                    or sizes.get(f"{name}.arrow") != entry["bytes"]):
+                lost.append(name)
+                continue
+            shards.append({**entry, "index_bytes": len(data), "index_sha256": hashlib.sha256(data).hexdigest()})
+        return shards, lost
+
+    def file_sizes(self, field: str) -> dict[str, int]:
+        """{file name: bytes} of ``field``'s shard folder, from one listing."""
+        folder = self.path(field, "shards")
+        if not self.fs.exists(folder):
+            return {}
+        return {info["name"].rstrip("/").rsplit("/", 1)[-1]: int(info.get("size") or 0)
+                for info in self.fs.ls(folder, detail=True)}
+
     def configs(self, field: str) -> dict:
-        return self._read_json(field, "configs.json", default={})
+        """{fingerprint: description} of the configurations entries were built for; {} when missing or damaged
+        (only the naming of older configurations is lost: the next build writes today's again)."""
+        try:
+            configs = self._read_json(field, "configs.json", default={})
+            if isinstance(configs, dict):
+                return configs
+            problem = "not a JSON object"
+        except ValueError as exc:
+            problem = str(exc)
+        self._warn(f"lit-dist: {self.url}/{field}/configs.json is damaged ({problem}): the configurations older "
+                   "entries were built for can no longer be named; the next build writes it again")
+        return {}
 
     def _write_json(self, obj, *parts: str) -> None:
         write_bytes_atomically(self.fs, self.path(*parts), json.dumps(obj, indent=1).encode())
@@ -133,10 +252,12 @@ class CacheStore:
         values are stored, ``ShardWriter.encoding``)."""
         name = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:12]}"
         shard = write_bytes_atomically(self.fs, self.path(field, "shards", f"{name}.arrow"), data)
-        listed = write_bytes_atomically(self.fs, self.path(field, "shards", f"{name}.index.arrow"), index)
-        return {"name": name, "fingerprint": fingerprint, "bytes": shard.size, "sha256": shard.sha256,
-                "raw_bytes": raw_bytes, "samples": samples, "entries": entries,
-                "index_bytes": listed.size, "index_sha256": listed.sha256, **(encoding or {})}
+        entry = {"name": name, "fingerprint": fingerprint, "bytes": shard.size, "sha256": shard.sha256,
+                 "raw_bytes": raw_bytes, "samples": samples, "entries": entries, **(encoding or {})}
+        # The index carries the entry: the shard describes itself if the manifest is ever lost.
+        listed = write_bytes_atomically(self.fs, self.path(field, "shards", f"{name}.index.arrow"),
+                                        described_index(index, entry))
+        return {**entry, "index_bytes": listed.size, "index_sha256": listed.sha256}
 
     def record_pending(self, field: str, build: str, rank: int, shards: list[dict]) -> None:
         """Name a rank's finished shards (rewritten whole after each shard): they survive a kill of the build."""
@@ -150,16 +271,23 @@ class CacheStore:
         manifest = self.manifest(field)
         listed = {s["name"]: s for s in manifest["shards"]}
         pending = self._pending(field)
+        damaged = []
         for path in pending:
             try:
                 for shard in self._read_pending(path):
                     if shard["name"] not in listed and self._present(field, shard):
                         listed[shard["name"]] = shard
-            except (ValueError, KeyError, TypeError):
-                pass  # a pending list is rewritten atomically; an unreadable one names nothing to trust
+            except (ValueError, KeyError, TypeError) as exc:  # truncated, empty, not a list of entries
+                damaged.append(f"{path.rstrip('/').rsplit('/', 1)[-1]} ({exc})")
+        if damaged:  # the shards it named describe themselves: taken from their index files, not rebuilt
+            found = [s for s in self.described_shards(field)[0] if s["name"] not in listed]
+            listed.update((s["name"], s) for s in found)
+            self._warn(f"lit-dist: {self.url}/{field}/pending: damaged list(s) of an interrupted build: "
+                       f"{'; '.join(damaged)}; {len(found)} unlisted shards taken from their index files instead")
         shards = [s for name, s in sorted(listed.items()) if name not in drop]
         manifest = {"format": FORMAT, "updated": time.time(), "shards": shards}
         self._write_json(manifest, field, "manifest.json")  # the manifest first: then the lists are redundant
+        self._recovered.pop(field, None)
         for path in pending:
             self.fs.rm(path)
         self.clean(field, {s["name"] for s in shards})
@@ -172,7 +300,10 @@ class CacheStore:
 
     def _read_pending(self, path: str) -> list[dict]:
         with self.fs.open(path, "rb") as f:
-            return json.loads(f.read())["shards"]
+            shards = json.loads(f.read())["shards"]
+        if not isinstance(shards, list) or any(not isinstance(s, dict) for s in shards):
+            raise TypeError("not a list of shard entries")
+        return shards
 
     def _present(self, field: str, shard: dict) -> bool:
         """Whether a listed shard's two files exist with their recorded sizes."""
@@ -214,17 +345,20 @@ class CacheStore:
             raise ValueError("index does not match its sha256")
         return data
 
-    def shard_problem(self, field: str, shard: dict, verify_checksum: bool) -> str | None:
-        """Why a listed shard cannot be used, or None."""
-        path = self.path(field, "shards", f"{shard['name']}.arrow")
-        try:
-            size = self.fs.size(path)
-        except FileNotFoundError:
-            return "missing"
-        if size != shard["bytes"]:
-            return f"{size} bytes, the manifest says {shard['bytes']} (truncated or overwritten)"
-        if verify_checksum and hash_file(self.fs, path).sha256 != shard["sha256"]:
-            return "does not match its sha256 (corrupted)"
+    def shard_problem(self, field: str, shard: dict, verify_checksum: bool, sizes: dict | None = None) -> str | None:
+        """Why a listed shard (its data or its index file) cannot be used, or None. ``sizes``: the shard folder's
+        ``file_sizes``, to look up instead of asking for each file's size."""
+        for suffix, size_key, sha_key, what in ((".arrow", "bytes", "sha256", ""),
+                                                (".index.arrow", "index_bytes", "index_sha256", "its index file ")):
+            path = self.path(field, "shards", f"{shard['name']}{suffix}")
+            try:
+                size = sizes[f"{shard['name']}{suffix}"] if sizes is not None else self.fs.size(path)
+            except (FileNotFoundError, KeyError):
+                return f"{what}missing"
+            if size != shard[size_key]:
+                return f"{what}{size} bytes, the manifest says {shard[size_key]} (truncated or overwritten)"
+            if verify_checksum and hash_file(self.fs, path).sha256 != shard[sha_key]:
+                return f"{what}does not match its sha256 (corrupted)"
         return None
 
     def size_summary(self, field: str) -> str:
@@ -239,6 +373,17 @@ class CacheStore:
         if not self.fs.exists(self.root):
             return 0
         return sum(int(info.get("size") or 0) for info in self.fs.find(self.root, detail=True).values())
+
+
+def _manifest_problem(manifest) -> str | None:
+    """What makes a parsed manifest unusable (a file cut at a point where it still parses), or None."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+        return "is damaged (not a manifest: no list of shards)"
+    for shard in manifest["shards"]:
+        if not isinstance(shard, dict) or any(k not in shard for k in ENTRY_KEYS):
+            lacking = ", ".join(k for k in ENTRY_KEYS if k not in shard) if isinstance(shard, dict) else "every key"
+            return f"is damaged (an entry lacks {lacking})"
+    return None
 
 
 def new_build_id() -> str:

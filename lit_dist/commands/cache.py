@@ -73,7 +73,7 @@ def check_cache(data) -> int:
         c = coverage[name]
         print(f"  {c.summary()}")
         if c.stale and (other := plan.describe_other(name, c.other_configs)):
-            print(f"    stale entries were built for another configuration: {other}")
+            print(f"    {other}")
         print(f"    {store.size_summary(name)} ({data.cache.compression})")
         for shard, problem in damaged:
             print(f"    damaged: shard {shard['name']}: {problem}; its {shard['samples']} samples are rebuilt by "

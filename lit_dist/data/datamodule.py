@@ -64,6 +64,7 @@ class BucketDataModule(LightningDataModule):
         max_image_pixels: int = 178_956_970,
         max_bad_fraction: float = 0.01,
         storage_options: dict | None = None,
+        outage_deadline_s: float = 180.0,
         create_demo_if_missing: bool = False,
         demo_num_images: int = 3000,
         cache: CacheConfig = CacheConfig(),
@@ -96,6 +97,7 @@ class BucketDataModule(LightningDataModule):
             max_image_pixels: Images with more pixels are refused as decompression bombs (Pillow's guard).
             max_bad_fraction: Stop training when more than this share of the images read could not be decoded.
             storage_options: fsspec options for remote data (e.g. endpoint_url); credentials come from env vars.
+            outage_deadline_s: Seconds to wait out an object store that does not answer (with backoff) before stopping with exit 17; keep it below watchdog.min_timeout_s.
             create_demo_if_missing: Generate the demo dataset if missing, only at its place data/shapes/metadata.parquet.
             demo_num_images: Number of images the demo dataset gets when generated.
             cache: Preprocessed cache of resized pixels and encoder outputs, read instead of decoding images.
@@ -126,11 +128,14 @@ class BucketDataModule(LightningDataModule):
             problems += cache.problems()
         if create_demo_if_missing and metadata is not None and "://" in metadata:
             problems.append(f"data.create_demo_if_missing needs a local data.metadata path, not {metadata!r}")
+        if outage_deadline_s <= 0:
+            problems.append(f"data.outage_deadline_s = {outage_deadline_s}: must be positive (seconds)")
         ConfigError.collect(problems)
         from lit_dist.data.buckets import make_buckets
 
         self.bucket_sizes = make_buckets(resolution, alignment, max_aspect)  # validates those three
         self.sources = sources
+        self._prefixes = [f"data.datasets[{i}]" if datasets else "data" for i in range(len(sources))]
         self.metadata = metadata
         self.batch_size_per_device = batch_size_per_device
         self.random_crop = random_crop
@@ -147,6 +152,7 @@ class BucketDataModule(LightningDataModule):
         self.max_image_pixels = max_image_pixels
         self.bad_samples = BadSamples(max_bad_fraction)
         self.storage_options = storage_options
+        self.outage_deadline_s = outage_deadline_s
         self.create_demo_if_missing = create_demo_if_missing
         self.demo_num_images = demo_num_images
         self.cache = cache if cache is not None and cache.enabled else None
@@ -226,7 +232,9 @@ class BucketDataModule(LightningDataModule):
         if Comm.current().world > 1:  # every rank is here (prepare_data runs on one per node): split the scan
             self.index_folders()
         parts = self.read()
-        if self.cache is not None:
+        if self.cache is None:  # images are decoded: before anything else, are they where the root says?
+            self.check_roots(parts)
+        else:  # the cache checks the images it will decode itself (none in mode read)
             from lit_dist.cache.attach import open_views
 
             device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
@@ -245,6 +253,29 @@ class BucketDataModule(LightningDataModule):
                             "(check the split column or data.val_fraction)")
         if len(self._splits["test"]) == 0:  # tables without a test split evaluate `test` on the validation rows
             self._splits["test"] = self._splits["val"]
+
+    def root_field(self, i: int) -> tuple[str, str]:
+        """The config field that gives dataset ``i``'s image root, and how it is set (for messages)."""
+        source, prefix = self.sources[i], self._prefixes[i]
+        if source.root is not None:
+            return f"{prefix}.root", ""
+        if source.scan_root is not None:
+            return f"{prefix}.scan_root", ""
+        return f"{prefix}.root", f" (unset: the folder of {prefix}.metadata)"
+
+    def check_roots(self, parts: list) -> None:
+        """Every rank looks up a sample of each dataset's files (a collective): a wrong root stops the run here,
+        with a data error naming it (and where the files are, when a folder next to it holds them)."""
+        from lit_dist.data.presence import check_files_exist
+        from lit_dist.distributed import Comm
+
+        def check() -> None:
+            for i, (source, (meta, _, _)) in enumerate(zip(self.sources, parts, strict=True)):
+                field, how = self.root_field(i)
+                check_files_exist(source.image_root, meta.filenames, np.arange(len(meta)), field, self.storage_options,
+                                  how)
+
+        Comm.current().on_every_rank(check, "checking that the dataset's files are there")
 
     def _combine(self, datasets: list):
         if len(datasets) == 1:
@@ -272,6 +303,7 @@ class BucketDataModule(LightningDataModule):
             random_crop=random_crop,
             seed=self.seed,
             storage_options=self.storage_options,
+            outage_deadline_s=self.outage_deadline_s,
             max_image_pixels=self.max_image_pixels,
             positions=rows,
             cache=cache,

@@ -11,9 +11,20 @@ import re
 import numpy as np
 import torch
 
+from lit_dist import outage
+from lit_dist.data.unreadable import (
+    MISSING,
+    BadImage,
+    BadSample,
+    UnreadableInARow,
+    decode_errors,
+    permission_denied,
+)
+from lit_dist.data.workers import reading
 from lit_dist.hashing import GOLDEN_GAMMA, MASK64, MIX1, MIX2
 
 log = logging.getLogger(__name__)
+_MAX_IN_A_ROW = 8  # bad samples of one bucket tried in a row before the batch gives up: the data is broken
 
 
 class BucketImageDataset(torch.utils.data.Dataset):
@@ -36,6 +47,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         random_crop: bool = False,
         seed: int = 0,
         storage_options: dict | None = None,
+        outage_deadline_s: float = 180.0,
         max_image_pixels: int | None = 178_956_970,
         positions: np.ndarray | None = None,
         cache: dict | None = None,
@@ -44,6 +56,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
     ):
         self.url = root
         self.storage_options = storage_options or {}
+        self.outage_deadline_s = outage_deadline_s
         self._fs, self._fs_pid, self.root = None, None, None
         # The whole table's columns, shared by every split (and by forked loader workers): a split is
         # ``positions``, the table position of each of its samples, not a copy of names and captions.
@@ -136,18 +149,29 @@ class BucketImageDataset(torch.utils.data.Dataset):
     def _load(self, index: int, epoch: int, width: int, height: int) -> tuple[int, int, dict]:
         """Sample ``index`` (its image cropped to the bucket, its cached fields), a bad one replaced by the
         next sample of its bucket. Returns the sample used, how many failed before it, and its arrays.
+
+        Only a bad sample is replaced (``data/unreadable.py``): a missing file, bytes that do not decode, a bomb,
+        a missing or damaged cache entry. Anything else (a bug, a permission error, an outage) propagates.
         """
-        candidate = index
-        for attempt in range(8):
+        candidate, tried, last = index, [], None
+        for attempt in range(_MAX_IN_A_ROW):
             try:
                 return candidate, attempt, self._sample(candidate, epoch, width, height)
-            except Exception as exc:  # any failure: missing file, truncated data, not an image, a bomb, a bad entry
+            except BadSample as exc:
+                tried.append(candidate)
+                last = exc
                 if candidate not in self._logged:
                     self._logged.add(candidate)
                     log.warning("lit-dist: %scannot read %s (%s); using another image of the same bucket",
                                 self._who, self._path(candidate), _reason(exc))
                 candidate = self._next_in_bucket(candidate)
-        raise RuntimeError(f"8 images in a row of bucket {(width, height)} could not be read; last: {self._path(candidate)}")
+                if candidate in tried:  # a small bucket: every one of its samples was tried
+                    break
+        names = ", ".join(self.filenames[int(self.positions[i])].as_py() for i in tried)
+        raise UnreadableInARow(
+            f"{self._who}{len(tried)} samples in a row of bucket {width}x{height} could not be read, under "
+            f"{self.url}: {names} (the last: {_reason(last)}). So many bad ones together mean a wrong data.root, a "
+            "damaged cache (lit-dist cache --check) or a damaged copy of the dataset") from last
 
     def _sample(self, index: int, epoch: int, width: int, height: int) -> dict[str, np.ndarray]:
         position = int(self.positions[index])
@@ -188,17 +212,34 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
         This is what a pixel cache stores: the crop is left to load time, so it varies as it does without one.
         """
+        import io
+
         from PIL import Image, ImageOps
 
-        with self._open_fs().open(self._path(index), "rb") as f:
-            img = Image.open(f)
+        path = self._path(index)
+        try:  # the bytes first: an error of the storage is told apart from bytes that do not decode
+            with reading(path):  # a hang dump names the file
+                # An outage is waited out (the same file read once the store answers), never a bad image.
+                data = outage.call(lambda: self._read_bytes(path), path, self.outage_deadline_s, self._who)
+        except MISSING as exc:
+            raise BadImage(f"missing ({_reason(exc)})") from exc
+        except PermissionError as exc:
+            raise permission_denied(path, exc) from exc
+        try:
+            img = Image.open(io.BytesIO(data))
             img.draft("RGB", (width, height))  # JPEG: decode at a reduced scale when that still covers the bucket
             img = ImageOps.exif_transpose(img).convert("RGB")
+        except decode_errors() as exc:
+            raise BadImage(_reason(exc)) from exc
         scale = max(width / img.width, height / img.height)
         resized = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
         if resized != img.size:
             img = img.resize(resized, Image.BILINEAR, reducing_gap=3.0)
         return np.asarray(img)  # (H', W', C)
+
+    def _read_bytes(self, path: str) -> bytes:
+        with self._open_fs().open(path, "rb") as f:
+            return f.read()
 
     def _crop(self, image: np.ndarray, width: int, height: int, epoch: int, index: int) -> np.ndarray:
         free_x, free_y = image.shape[1] - width, image.shape[0] - height

@@ -1,6 +1,7 @@
-"""An object store that refuses the credentials: one data error, never a table of bad rows.
+"""An object store that refuses the credentials, or stops answering: never a bad image, never a bad row.
 
-Each test starts its own S3 server (moto's server mode), one that checks credentials against its IAM users.
+Each test starts its own S3 server (moto's server mode): one that checks credentials against its IAM
+users, one that is stopped in the middle of reading.
 """
 
 import io
@@ -88,3 +89,34 @@ def test_credentials_that_cannot_read_the_images_are_one_data_error_not_a_table_
     assert f"cannot read s3://{BUCKET}/imgs: permission denied (The AWS Access Key Id you provided does not exist" \
         in out.stderr
 
+
+def test_an_object_store_that_stops_answering_is_not_a_bad_image(tmp_path, monkeypatch):
+    import numpy as np
+    import pyarrow as pa
+    import s3fs
+
+    from lit_dist.data.dataset import BucketImageDataset
+    from lit_dist.data.unreadable import BadSample
+    from lit_dist.outage import StoreUnreachable
+
+    proc, url = start_server()
+    try:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": url}, skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        for i in range(IMAGES):
+            fs.pipe(f"{BUCKET}/imgs/{i}.png", png(32, 32))
+        dataset = BucketImageDataset(f"s3://{BUCKET}/imgs", pa.array([f"{i}.png" for i in range(IMAGES)]),
+                                     np.array([[32, 32]]), np.zeros(IMAGES, dtype=np.int64),
+                                     storage_options={"client_kwargs": {"endpoint_url": url}, "skip_instance_cache": True},
+                                     outage_deadline_s=3)
+        assert int(dataset[(0, [0, 1], 1.0)]["bad_samples"]) == 0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    with pytest.raises(StoreUnreachable) as raised:  # the store is gone: waited out, then said so, not 8 "bad images"
+        dataset[(0, [2], 1.0)]
+    assert not isinstance(raised.value, BadSample)
+    assert not dataset._logged, "an outage was logged as an unreadable image and substituted"
