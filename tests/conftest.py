@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import left_after
+
+LEFT_BOUND_S = 10.0  # README, "Faults": every process of a run is gone this long after the job exits
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 
@@ -58,6 +61,9 @@ def lit_dist(*args: str, cwd: Path | None = None, timeout: float = 300, env: dic
         pytest.fail(f"`lit-dist {' '.join(args)}` hung for {timeout} s; the stacks of its processes:\n{stderr[-20000:]}")
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     done.pid = proc.pid  # its session's id: tests.helpers.processes finds what the run left behind by it
+    if left := left_after(proc.pid, LEFT_BOUND_S):  # whatever the exit, nothing of the run may remain
+        pytest.fail(f"`lit-dist {' '.join(args)}` exited {proc.returncode} and left {len(left)} processes "
+                    f"{LEFT_BOUND_S:.0f} s later: {left}\n{stderr[-3000:]}")
     return done
 
 

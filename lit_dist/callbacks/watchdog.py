@@ -173,6 +173,8 @@ class HangWatchdog(Callback):
         self._progress_at = time.monotonic()
         self._stop.clear()
         self._last_resort = LastResort(_hang_file(trainer.default_root_dir, trainer.global_rank))
+        # Armed here, not only by the thread: this thread may hold the interpreter lock before that one first runs.
+        self._last_resort.arm(self.timeout() + self.last_resort_after_s())
         # Loader workers started from now on dump their stacks next to this rank's when it dumps.
         os.environ[WORKER_DUMPS_ENV] = _hang_file(trainer.default_root_dir, trainer.global_rank).removesuffix(".txt")
         self._thread = threading.Thread(target=self._watch, args=(trainer,), name="lit-dist-watchdog", daemon=True)
@@ -299,6 +301,11 @@ class HangWatchdog(Callback):
                                              "progress": {str(r): list(v) for r, v in progress.items()},
                                              "waited_s": round(waited, 1), "requeue": outcome}))
                 self._control.flush(10.0)
+            if store is not None:
+                try:  # the others may leave now: this rank said it all (a parent rank's exit ends its children)
+                    store.set(f"{_KEY}/told", "1")
+                except _STORE_ERRORS:
+                    pass
         else:
             print(f"lit-dist: hang declared by another rank: rank {rank} stacks in {path}", file=sys.stderr, flush=True)
         if store is not None:
@@ -306,7 +313,7 @@ class HangWatchdog(Callback):
             # interpreter lock dumps from its last resort: leaving before then would break the others'
             # collectives (and the store, if this is rank 0) under them, or kill the children unheard.
             wait = self.last_resort_after_s() + EXIT_AFTER_DUMP_S + 2 * self.heartbeat_s + 1
-            _await_dumps(trainer.default_root_dir, world, time.monotonic() + min(wait, 60.0))
+            _await_end(trainer.default_root_dir, world, None if first else store, time.monotonic() + min(wait, 60.0))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(int(ExitCode.HUNG))  # the training thread may be stuck in a collective: no unwinding
@@ -359,14 +366,20 @@ def _remove_unused_dumps(prefix: str | None) -> None:
         pass  # gone meanwhile, or not empty
 
 
-def _await_dumps(run_dir: str, world: int, deadline: float) -> None:
-    """Wait until every rank's hang file holds its stacks, or the deadline."""
+def _await_end(run_dir: str, world: int, store, deadline: float) -> None:
+    """Wait until every rank's hang file holds its stacks and (with ``store``) the declaring rank has said
+    everything (its line, its event), or the deadline."""
     while time.monotonic() < deadline:
         try:
-            if all(os.path.getsize(_hang_file(run_dir, r)) > 0 for r in range(world)):
-                return
+            dumped = all(os.path.getsize(_hang_file(run_dir, r)) > 0 for r in range(world))
         except OSError:
-            pass  # not made yet: that rank's watchdog had not started
+            dumped = False  # not made yet: that rank's watchdog had not started
+        try:
+            told = store is None or store.check([f"{_KEY}/told"])
+        except _STORE_ERRORS:
+            told = True  # the store went with its rank: nobody is left to wait for
+        if dumped and told:
+            return
         time.sleep(0.2)
 
 

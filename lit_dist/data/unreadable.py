@@ -42,15 +42,5 @@ def permission_denied(path: str, exc: BaseException) -> DataError:
 
 
 class UnreadableInARow(DataError):
-    """Every sample tried in a row of one bucket was bad: the data, not one file, is broken.
-
-    PyTorch re-raises a loader worker's exception in the training process as ``type(exc)(text)``, where
-    the text is "Caught ... in DataLoader worker process N" followed by the worker's whole traceback.
-    This class keeps only its own message line of that text, so the user reads one line there too.
-    """
-
-    def __init__(self, message: str):
-        marker = f"{type(self).__name__}: "
-        if message.startswith("Caught ") and marker in message:
-            message = message.rsplit(marker, 1)[1].strip().splitlines()[0]
-        super().__init__(message)
+    """Every sample tried in a row of one bucket was bad: the data, not one file, is broken. Raised in a loader
+    worker, it reaches the user as its own message too (``LitDistError`` unwraps PyTorch's re-raise)."""

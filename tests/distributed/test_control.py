@@ -12,10 +12,10 @@ from tests.conftest import lit_dist, quickstart_args
 pytestmark = pytest.mark.distributed
 
 
-def fit(tmp_path, demo_data, *extra, timeout=300):
+def fit(tmp_path, demo_data, *extra, timeout=300, env=None):
     return lit_dist("fit", *quickstart_args(tmp_path, demo_data, data__num_workers=0, trainer__devices=2,
                                             trainer__strategy="ddp", run__run_id="r", trainer__enable_progress_bar=False),
-                    *extra, timeout=timeout)
+                    *extra, timeout=timeout, env=env)
 
 
 def rank_json(tmp_path, name):
@@ -32,7 +32,7 @@ def test_lit_dist_issues_one_collective_per_window_in_steady_state(tmp_path, dem
               "--trainer.callbacks+=lit_dist.callbacks.circuit_breaker.GPUCircuitBreaker",
               "--trainer.callbacks.nvml_module", "tests.helpers.fake_nvml", "--trainer.callbacks.device_index", "0",
               "--trainer.callbacks.poll_interval_s", "0.05",
-              "--trainer.callbacks+=tests.helpers.recorder.CollectiveCounter")
+              "--trainer.callbacks+=tests.helpers.recorder.CollectiveCounter", env={"FAKE_NVML_STATE": str(state)})
     assert out.returncode == 0, out.stderr[-3000:]
     for rows in rank_json(tmp_path, "collectives"):
         clean = [(step, count) for step, count, is_clean in rows if is_clean]
