@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lit_dist import outage
 from lit_dist.cache.keys import _combine
 from lit_dist.cache.shards import ENCODING_KEYS, CorruptEntry, decode, read_index
 from lit_dist.data.unreadable import MISSING as FILE_MISSING
@@ -153,6 +154,8 @@ class MissingEntry(BadSample):
 class FieldView:
     """One field's entries for the samples of one dataset, by table position; safe to pickle to loader workers."""
 
+    outage_deadline_s = 180.0  # how long a read waits out a store that does not answer (the dataset sets its own)
+
     def __init__(self, field: str, dtype: str, urls: list[str], storage_options: dict, shard: np.ndarray,
                  offset: np.ndarray, length: np.ndarray, crc: np.ndarray, encodings: list[dict] | None = None):
         self.field, self.dtype, self.urls, self.storage_options = field, dtype, urls, storage_options
@@ -197,8 +200,9 @@ class FieldView:
             import fsspec
 
             self._fs = fsspec.core.url_to_fs(url, **self.storage_options)[0]
-        try:
-            return self._fs.cat_file(url, start=offset, end=offset + length)  # one ranged GET
+        try:  # one ranged GET; an outage is waited out, never a bad entry
+            return outage.call(lambda: self._fs.cat_file(url, start=offset, end=offset + length),
+                               f"{url} (cache field {self.field})", self.outage_deadline_s)
         except FILE_MISSING as exc:  # any other error (an outage, credentials) is not the entry's: it propagates
             raise CorruptEntry(f"its shard {url} is missing") from exc
 

@@ -73,6 +73,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
         self.seed = seed
         # Cached fields by batch key ("pixels" stands for `image`), each a FieldView by table position.
         self.cache = cache or {}
+        for view in self.cache.values():  # a cache on an object store waits out an outage as images do
+            view.outage_deadline_s = outage_deadline_s
         self.load_images = load_images  # False when only encoder outputs are cached: no image is opened
         self.fill = fill  # data.cache.mode ondemand: a FillKeys, which says what missing entries are written as
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only

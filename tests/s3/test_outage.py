@@ -95,3 +95,40 @@ def test_an_outage_past_its_deadline_stops_every_rank_with_exit_17_and_nothing_i
     assert "retry the job later" in err and "Traceback" not in err, err[-3000:]
     assert elapsed < 12 + 60, elapsed  # the deadline, one last attempt (a few seconds each), the other rank's grace
     assert not left, left
+
+
+def test_a_cache_on_s3_waits_out_an_outage_and_then_says_retry_later(s3, demo_data):
+    import threading
+
+    from lit_dist.cache.config import CacheConfig
+    from lit_dist.data.datamodule import BucketDataModule
+    from lit_dist.outage import StoreUnreachable
+
+    encoder = {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"seed": 1}}
+    url = f"s3://{s3.bucket}/cache"
+    endpoint = urlparse(s3.endpoint)
+    proxy = TcpProxy((endpoint.hostname, endpoint.port))
+
+    def module(mode, options, deadline_s=180.0):
+        dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=8, num_workers=0,
+                              storage_options=options, outage_deadline_s=deadline_s,
+                              cache=CacheConfig(dir=url, mode=mode, encoder=encoder, shard_size_mb=1))
+        dm.setup("fit")
+        return dm._splits["train"].cache["pixels"]
+
+    try:
+        module("build", {"client_kwargs": {"endpoint_url": s3.endpoint}})
+        view = module("read", {"client_kwargs": {"endpoint_url": proxy.url}})
+        assert view.outage_deadline_s == 180.0  # the data module's deadline reached the cache's reader
+        expected = view.read(17)
+        proxy.cut()
+        threading.Timer(8.0, proxy.restore).start()
+        started = time.monotonic()
+        assert (view.read(17) == expected).all()  # the same entry, read once the store answered again
+        assert time.monotonic() - started > 7
+        proxy.cut()
+        view.outage_deadline_s = 3.0  # what data.outage_deadline_s: 3 gives a view (checked above: 180 by default)
+        with pytest.raises(StoreUnreachable, match=r"the object store did not answer .* \(cache field pixels\)"):
+            view.read(18)
+    finally:
+        proxy.close()
