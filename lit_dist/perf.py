@@ -64,8 +64,9 @@ class FlopMeter:
     def start(self) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
-        self._mode = FlopCounterMode(display=False)
-        self._mode.__enter__()
+        mode = FlopCounterMode(display=False)
+        mode.__enter__()
+        self._mode = mode  # only once entered: a failed start leaves the meter stopped, not half running
 
     def stop(self) -> int:
         mode, self._mode = self._mode, None

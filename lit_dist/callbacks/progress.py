@@ -207,11 +207,11 @@ class Progress(Callback):
             except Exception as exc:  # noqa: BLE001 - torch documents nothing; only a metric is lost
                 # Entering torch's FlopCounterMode pushes a dispatch mode and module hooks (RuntimeError or
                 # AssertionError from its mode stack in practice). Whatever it raises costs only this shape's
-                # TFLOP/s and MFU, said in the warning; a fresh meter is not left half-entered for
-                # on_after_backward to stop.
+                # TFLOP/s and MFU, said in the warning; the meter stays stopped (FlopMeter sets its mode
+                # only once entered), so on_after_backward does not stop a half-entered one.
                 log.warning("lit-dist: cannot count the FLOPs of a step (%s: %s); no TFLOP/s or MFU",
                             type(exc).__name__, exc)
-                self._meter, self._measuring = FlopMeter(), None
+                self._measuring = None
                 self.flops_per_sample[shape[1:]] = 0.0
 
     def on_after_backward(self, trainer, pl_module) -> None:

@@ -43,11 +43,11 @@ def _build(trainer, data) -> int:
         data.index_folders()  # every rank reads a share of the headers
     plan, report = data.build_cache(trainer.strategy.root_device, verify=True)
     if trainer.global_rank == 0:
-        ratio = report["raw_bytes"] / report["bytes"] if report["bytes"] else float("nan")
+        written = (f"{report['shards']} shards, {report['bytes'] / 1e6:.1f} MB written (compression "
+                   f"{report['raw_bytes'] / report['bytes']:.2f}x)" if report["bytes"] else "nothing to write")
         print(f"lit-dist cache: built {report['samples']} samples on {report['ranks']} ranks in "
               f"{report['seconds']:.1f} s ({report['samples'] / max(report['seconds'], 1e-9):.0f} samples/s); "
-              f"{report['unreadable']} unreadable sources recorded; {report['shards']} shards, "
-              f"{report['bytes'] / 1e6:.1f} MB written (compression {ratio:.2f}x)", flush=True)
+              f"{report['unreadable']} unreadable sources recorded; {written}", flush=True)
         found, coverage = plan.match()
         for c in coverage.values():
             print(f"  {c.summary()}", flush=True)

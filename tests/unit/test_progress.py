@@ -117,3 +117,18 @@ def test_a_loader_without_a_length_prints_steps_without_a_total_unless_max_steps
         assert all("/" not in line.split(" epoch")[0] for line in lines), lines  # never "step 3/-1 (-300%)"
     else:
         assert any(line.startswith("lit-dist: step 5/5 (100%)") for line in lines), lines
+
+
+def test_a_flop_meter_that_fails_to_start_stays_stopped(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lit_dist.perf import FlopMeter
+
+    def refuse(self):
+        raise RuntimeError("a mode stack that does not take it")
+
+    monkeypatch.setattr(FlopCounterMode, "__enter__", refuse)
+    meter = FlopMeter()
+    with pytest.raises(RuntimeError):
+        meter.start()
+    assert not meter.running  # so nobody stops (exits) a mode that was never entered
