@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import left_after
+# Before any helper is imported: then a failed assert in tests/helpers/ shows its operands, as in a test module.
+pytest.register_assert_rewrite("tests.helpers")
+
+from tests.helpers.processes import left_after  # noqa: E402
 
 LEFT_BOUND_S = 10.0  # README, "Faults": every process of a run is gone this long after the job exits
 REPO = Path(__file__).resolve().parent.parent

@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 import yaml
 
-from lit_dist.cache.reader import FieldIndex
-from lit_dist.cache.shards import decode
 from lit_dist.cache.store import CacheStore
 from tests.conftest import REPO, lit_dist
+from tests.helpers.cache import entries
 
 pytestmark = pytest.mark.distributed
 ENV = {"PYTHONPATH": str(REPO)}  # the encoder is a test helper
@@ -24,23 +23,6 @@ def write_config(path, demo_data, cache_dir) -> str:
     }
     path.write_text(yaml.safe_dump(config))
     return str(path)
-
-
-def entries(cache_dir, fields=("pixels", "encoder")) -> dict:
-    """(field, sample, key) -> the decoded array, for every published entry."""
-    store = CacheStore(str(cache_dir))
-    out = {}
-    for field in fields:
-        shards = store.manifest(field)["shards"]
-        index = FieldIndex(store, field, shards)
-        for i in range(len(index.sample)):
-            path = store.shard_url(field, shards[index.shard[i]]["name"])
-            with open(path, "rb") as f:
-                f.seek(int(index.offset[i]))
-                data = f.read(int(index.length[i]))
-            dtype = "uint8" if field == "pixels" else "bf16"
-            out[(field, int(index.sample[i]), int(index.key[i]))] = decode(data, int(index.crc[i]), dtype, shards[index.shard[i]]) if len(data) else None
-    return out
 
 
 def test_two_process_build_equals_one_process_build_and_trains(tmp_path, demo_data):

@@ -3,7 +3,7 @@
 import pytest
 
 from tests.conftest import CONFIGS, lit_dist
-from tests.unit.test_quickstart import check_quickstart_output
+from tests.helpers.quickstart import check_quickstart_output
 
 pytestmark = pytest.mark.distributed
 

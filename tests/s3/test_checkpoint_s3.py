@@ -60,7 +60,7 @@ def test_killed_uploads_never_leave_a_checkpoint_that_passes_for_complete(s3, tm
 def test_stopped_and_resumed_through_s3_ends_bitwise_equal_to_an_uninterrupted_run(s3, tmp_path, demo_data):
     import torch
 
-    from tests.unit.test_resume import run, steps_per_epoch
+    from tests.helpers.training import run, steps_per_epoch
 
     url, options = f"s3://{s3.bucket}/bitwise", {"client_kwargs": {"endpoint_url": s3.endpoint}}
     per_epoch = steps_per_epoch(demo_data)

@@ -17,6 +17,7 @@ from lit_dist.cache.store import CacheStore
 from lit_dist.commands.cache import check_cache
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, DataError
+from tests.helpers.cache import data_module
 
 ENCODER = {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"channels": 4, "seed": 0}}
 
@@ -37,12 +38,6 @@ def add_identity_columns(path) -> None:
     stats = [os.stat(path.parent / name) for name in table.column("filename").to_pylist()]
     table = table.append_column("bytes", pa.array([s.st_size for s in stats], pa.int64()))
     pq.write_table(table.append_column("mtime", pa.array([s.st_mtime for s in stats], pa.float64())), path)
-
-
-def module(path, cache: CacheConfig | None, **overrides) -> BucketDataModule:
-    kwargs = dict(metadata=str(path), resolution=32, batch_size_per_device=8, num_workers=0, seed=3,
-                  allow_oversubscription=True)
-    return BucketDataModule(**{**kwargs, **overrides, "cache": cache})
 
 
 def cache_config(tmp_path, **overrides) -> CacheConfig:
@@ -66,11 +61,11 @@ def batches(dm: BucketDataModule, split: str = "train", count: int = 6) -> list[
 
 @pytest.mark.parametrize("layout", ["row_tree", "rows", "plain"])
 def test_cached_batches_equal_decoded_batches_bitwise(tmp_path, data, layout):
-    cached = module(data, cache_config(tmp_path, pixel_layout=layout))
+    cached = data_module(data, cache_config(tmp_path, pixel_layout=layout))
     cached.setup("fit")
     layouts = {s.get("layout") for s in CacheStore(str(tmp_path / "cache")).manifest("pixels")["shards"]}
     assert layouts == ({None} if layout == "plain" else {layout})
-    plain = module(data, None)
+    plain = data_module(data, None)
     plain.setup("fit")
     for split in ("train", "val"):
         for a, b in zip(batches(cached, split), batches(plain, split), strict=True):
@@ -84,9 +79,9 @@ def test_cached_batches_equal_decoded_batches_bitwise(tmp_path, data, layout):
 def test_encoder_entries_are_the_encoder_applied_to_the_centre_crop(tmp_path, data):
     from tests.helpers.encoders import TinyEncoder
 
-    cached = module(data, cache_config(tmp_path, pixels=False, encoder_dtype="fp32"))
+    cached = data_module(data, cache_config(tmp_path, pixels=False, encoder_dtype="fp32"))
     cached.setup("fit")
-    plain = module(data, None, random_crop=False)
+    plain = data_module(data, None, random_crop=False)
     plain.setup("fit")
     a, b = batches(cached, "val", 2)[0], batches(plain, "val", 2)[0]
     assert "image" not in a  # only encoder outputs cached: no image is decoded
@@ -97,10 +92,10 @@ def test_encoder_entries_are_the_encoder_applied_to_the_centre_crop(tmp_path, da
 
 
 def test_training_from_the_cache_opens_no_source_image(tmp_path, data):
-    module(data, cache_config(tmp_path)).setup("fit")
+    data_module(data, cache_config(tmp_path)).setup("fit")
     shutil.move(data.parent, tmp_path / "moved")  # the images are gone; the table comes along
     table = tmp_path / "moved" / "metadata.parquet"
-    dm = module(table, cache_config(tmp_path, mode="read"), root=str(data.parent))
+    dm = data_module(table, cache_config(tmp_path, mode="read"), root=str(data.parent))
     dm.setup("fit")
     got = batches(dm, "train")
     assert all(int(b["bad_samples"]) == 0 for b in got)
@@ -108,34 +103,34 @@ def test_training_from_the_cache_opens_no_source_image(tmp_path, data):
 
 def test_read_mode_names_what_is_missing_and_the_command(tmp_path, data):
     with pytest.raises(DataError, match=r"holds no cache.*lit-dist cache --config"):
-        module(data, cache_config(tmp_path, mode="read")).setup("fit")
-    module(data, cache_config(tmp_path, encoder=None)).setup("fit")  # pixels only
+        data_module(data, cache_config(tmp_path, mode="read")).setup("fit")
+    data_module(data, cache_config(tmp_path, encoder=None)).setup("fit")  # pixels only
     with pytest.raises(DataError, match=r"incomplete.*encoder: 0 of 120 cached.*120 missing.*lit-dist cache --config"):
-        module(data, cache_config(tmp_path, mode="read")).setup("fit")
+        data_module(data, cache_config(tmp_path, mode="read")).setup("fit")
 
 
 def test_another_resolution_is_stale_named_and_rebuilt(tmp_path, data, capsys):
-    module(data, cache_config(tmp_path)).setup("fit")
+    data_module(data, cache_config(tmp_path)).setup("fit")
     with pytest.raises(DataError, match=r"pixels: 0 of 120 cached.*120 missing \(120 of them stale\).*another "
                                         r"configuration: \w+ \(differs in buckets\)"):
-        module(data, cache_config(tmp_path, mode="read"), resolution=40).setup("fit")
-    rebuilt = module(data, cache_config(tmp_path), resolution=40)
+        data_module(data, cache_config(tmp_path, mode="read"), resolution=40).setup("fit")
+    rebuilt = data_module(data, cache_config(tmp_path), resolution=40)
     rebuilt.setup("fit")
     assert batches(rebuilt, "train", 2)[0]["image"].shape[1] * batches(rebuilt, "train", 2)[0]["image"].shape[2] > 32 * 32
 
 
 def test_one_changed_encoder_weight_makes_every_encoder_entry_stale(tmp_path, data):
-    module(data, cache_config(tmp_path)).setup("fit")
+    data_module(data, cache_config(tmp_path)).setup("fit")
     bumped = {**ENCODER, "init_args": {**ENCODER["init_args"], "bump": 1e-3}}
     with pytest.raises(DataError, match=r"encoder: 0 of 120 cached.*120 of them stale.*differs in .*weights_sha256"):
-        module(data, cache_config(tmp_path, mode="read", encoder=bumped)).setup("fit")
+        data_module(data, cache_config(tmp_path, mode="read", encoder=bumped)).setup("fit")
     old = batches(module_setup(data, cache_config(tmp_path, mode="read")), "val", 2)[0]["latent"]
     new = batches(module_setup(data, cache_config(tmp_path, encoder=bumped)), "val", 2)[0]["latent"]
     assert not torch.equal(old, new)  # rebuilt with the new weights, never served the old entries
 
 
 def module_setup(path, cache, **overrides) -> BucketDataModule:
-    dm = module(path, cache, **overrides)
+    dm = data_module(path, cache, **overrides)
     dm.setup("fit")
     return dm
 
@@ -151,7 +146,7 @@ def test_a_changed_source_file_is_stale_and_rebuilt_alone(tmp_path, data):
     add_identity_columns_again(data)
     with pytest.raises(DataError, match=r"pixels: 119 of 120 cached.*1 missing \(1 of them stale\)"):
         module_setup(data, cache_config(tmp_path, mode="read", encoder=None))
-    plan, report = module(data, cache_config(tmp_path, encoder=None)).build_cache(torch.device("cpu"))
+    plan, report = data_module(data, cache_config(tmp_path, encoder=None)).build_cache(torch.device("cpu"))
     assert report["samples"] == 1  # only the changed image was decoded again
     assert first is not None
 
@@ -170,7 +165,7 @@ def test_a_flipped_byte_is_caught_replaced_while_training_and_rebuilt(tmp_path, 
     raw[int(index.column("offset")[3].as_py()) + 200] ^= 0xFF  # inside the fourth sample's bytes
     shard.write_bytes(bytes(raw))
 
-    assert check_cache(module(data, cache_config(tmp_path, mode="read", encoder=None))) == 3
+    assert check_cache(data_module(data, cache_config(tmp_path, mode="read", encoder=None))) == 3
     assert "does not match its sha256 (corrupted)" in capsys.readouterr().out
 
     # While training the entry fails its crc32 and is replaced like a bad image: counted, never a crash.
@@ -181,10 +176,10 @@ def test_a_flipped_byte_is_caught_replaced_while_training_and_rebuilt(tmp_path, 
         view.read(bad_row)
 
     # A build verifies every shard's sha256, drops the damaged one and rebuilds its samples.
-    _, report = module(data, cache_config(tmp_path, encoder=None)).build_cache(torch.device("cpu"), verify=True)
+    _, report = data_module(data, cache_config(tmp_path, encoder=None)).build_cache(torch.device("cpu"), verify=True)
     assert report["samples"] == int(index.num_rows)
     assert "is damaged: does not match its sha256" in capsys.readouterr().out
-    assert check_cache(module(data, cache_config(tmp_path, mode="read", encoder=None))) == 0
+    assert check_cache(data_module(data, cache_config(tmp_path, mode="read", encoder=None))) == 0
 
 
 def test_a_corrupt_entry_is_replaced_by_another_sample_of_its_bucket_and_counted(tmp_path, data):
@@ -206,7 +201,7 @@ def test_torn_and_unlisted_shards_are_removed_and_finished_shards_of_a_killed_bu
     from lit_dist.cache.build import _run
 
     cfg = cache_config(tmp_path, encoder=None, shard_size_mb=1)
-    dm = module(data, cfg)
+    dm = data_module(data, cfg)
     plan = dm.cache_plan(dm.read())
     plan.store.check(create=True)
     # A build killed after it finished (and listed) one shard of 40 samples, while writing a second.
@@ -224,7 +219,7 @@ def test_torn_and_unlisted_shards_are_removed_and_finished_shards_of_a_killed_bu
     assert report["samples"] == 120 - done  # the listed shard counted; only the rest was built
     names = sorted(p.name for p in shards.iterdir())
     assert "torn.arrow" not in names and not any(n.startswith(".") for n in names)
-    assert check_cache(module(data, cache_config(tmp_path, mode="read", encoder=None))) == 0
+    assert check_cache(data_module(data, cache_config(tmp_path, mode="read", encoder=None))) == 0
 
 
 def test_an_unreadable_source_is_recorded_and_replaced_at_load(tmp_path, data):
@@ -232,7 +227,7 @@ def test_an_unreadable_source_is_recorded_and_replaced_at_load(tmp_path, data):
     name = table.column("filename")[7].as_py()
     (data.parent / name).write_bytes(b"not an image")
     add_identity_columns_again(data)
-    _, report = module(data, cache_config(tmp_path, encoder=None)).build_cache(torch.device("cpu"))
+    _, report = data_module(data, cache_config(tmp_path, encoder=None)).build_cache(torch.device("cpu"))
     assert report["unreadable"] == 1
     dm = module_setup(data, cache_config(tmp_path, mode="read", encoder=None))  # known bad is not missing
     view = dm._cache_views[0]["pixels"]
@@ -361,10 +356,10 @@ def test_bad_cache_configs_are_named_together(tmp_path, data):
                       shard_size_mb=9000)
     with pytest.raises(ConfigError, match=r"(?s)4 problems.*caches nothing.*pixel_layout = 'png': must be one of "
                                           r"row_tree, rows, plain.*compression_level = 40.*shard_size_mb = 9000"):
-        module(data, bad)
+        data_module(data, bad)
     with pytest.raises(ConfigError, match=r"data.cache.dir is not set"):
-        module(data, CacheConfig(mode="read"))
-    assert module(data, CacheConfig()).cache is None  # the default: no folder, no cache
+        data_module(data, CacheConfig(mode="read"))
+    assert data_module(data, CacheConfig()).cache is None  # the default: no folder, no cache
 
 
 def test_a_folder_that_is_not_a_cache_or_from_a_newer_lit_dist_is_refused(tmp_path, data):
@@ -396,7 +391,7 @@ def test_encoder_that_does_not_import_or_whose_shape_varies_is_a_config_error(tm
 
 
 def test_a_run_trained_from_the_cache_resumes_bitwise_and_equals_decoding(tmp_path, demo_data):
-    from tests.unit.test_resume import run, steps_per_epoch
+    from tests.helpers.training import run, steps_per_epoch
 
     cache = {"cache": CacheConfig(dir=str(tmp_path / "cache"), mode="build")}
     per_epoch = steps_per_epoch(demo_data)
@@ -423,7 +418,7 @@ def test_ondemand_fills_the_cache_in_epoch_one_and_epoch_two_opens_no_source_ima
     from lightning.pytorch import Callback
 
     from lit_dist.data.dataset import BucketImageDataset
-    from tests.unit.test_resume import run, steps_per_epoch
+    from tests.helpers.training import run, steps_per_epoch
 
     opened = []
     real = BucketImageDataset.covering
@@ -487,7 +482,7 @@ def test_caption_encoder_outputs_are_cached_per_caption_and_a_changed_caption_is
     with pytest.raises(DataError, match=r"caption_encoder: 119 of 120 cached.*1 missing \(1 of them stale\)"):
         module_setup(data, cache_config(tmp_path, mode="read", encoder=None, caption_encoder=CAPTIONS,
                                         encoder_dtype="fp32"))
-    _, report = module(data, cache).build_cache(torch.device("cpu"))
+    _, report = data_module(data, cache).build_cache(torch.device("cpu"))
     assert report["samples"] == 1 and report["needed"] == 1
 
 
@@ -497,7 +492,7 @@ def test_caption_encoder_needs_a_caption_column_and_mode_build(tmp_path, data):
     with pytest.raises(DataError, match="caption_encoder needs a caption column"):
         module_setup(data, cache_config(tmp_path, encoder=None, caption_encoder=CAPTIONS))
     with pytest.raises(ConfigError, match="caption_encoder is built before training, not on demand"):
-        module(data, cache_config(tmp_path, mode="ondemand", caption_encoder=CAPTIONS))
+        data_module(data, cache_config(tmp_path, mode="ondemand", caption_encoder=CAPTIONS))
 
 
 def test_mixed_datasets_read_their_own_entries_from_one_cache(tmp_path, demo_data):

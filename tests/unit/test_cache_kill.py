@@ -101,7 +101,7 @@ def test_killed_builds_never_leave_a_trusted_torn_shard_and_the_rebuild_finishes
     assert not leftovers, leftovers
 
     # The entries equal those of a build that was never interrupted.
-    from tests.distributed.test_cache_ranks import entries
+    from tests.helpers.cache import entries
 
     clean = write_config(tmp_path / "clean.yaml", demo_data, tmp_path / "clean")
     assert lit_dist("cache", "--config", clean, cwd=tmp_path).returncode == 0

@@ -50,7 +50,7 @@ def built(tmp_path_factory, demo_data):
     cache of a build cut off after it listed some shards in its pending list (not yet published)."""
     from lit_dist.cache.build import _run, _work, prepare
     from lit_dist.distributed import Comm
-    from tests.unit.test_cache import module
+    from tests.helpers.cache import data_module
 
     root = tmp_path_factory.mktemp("built")
     out = lit_dist("cache", *quickstart_args(None, demo_data, data__cache__dir=root / "cache",
@@ -62,7 +62,7 @@ def built(tmp_path_factory, demo_data):
     # The quickstart's data settings, so that its keys are the command line's.
     from lit_dist.cache.config import CacheConfig
 
-    dm = module(demo_data, CacheConfig(dir=str(root / "cut"), shard_size_mb=1), seed=0, batch_size_per_device=32)
+    dm = data_module(demo_data, CacheConfig(dir=str(root / "cut"), shard_size_mb=1), seed=0, batch_size_per_device=32)
     plan = dm.cache_plan(dm.read())
     prepare(plan, Comm())
     found, _ = plan.match()
@@ -283,11 +283,11 @@ def test_stale_entries_of_changed_source_files_say_so(tmp_path, demo_data):
     from PIL import Image
 
     from lit_dist.cache.config import CacheConfig
-    from tests.unit.test_cache import module
+    from tests.helpers.cache import data_module
 
     shutil.copytree(demo_data.parent, tmp_path / "shapes")
     cache = tmp_path / "cache"
-    dm = module(tmp_path / "shapes" / "metadata.parquet", CacheConfig(dir=str(cache)), seed=0)  # the quickstart's keys
+    dm = data_module(tmp_path / "shapes" / "metadata.parquet", CacheConfig(dir=str(cache)), seed=0)  # the quickstart's keys
     dm.build_cache(torch.device("cpu"))
     name = pq.read_table(demo_data).column("filename")[5].as_py()
     image = tmp_path / "shapes" / name
