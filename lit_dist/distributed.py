@@ -90,7 +90,7 @@ class Comm:
         if self.rank == 0:
             try:
                 result = function()
-            except Exception as exc:  # sent to the other ranks below, then raised here too
+            except Exception as exc:  # noqa: BLE001 - nothing swallowed: sent to the other ranks, then raised here
                 error = exc
         result, described = self.broadcast((result, _describe(error)))
         if error is not None:
@@ -105,7 +105,7 @@ class Comm:
         result, error = None, None
         try:
             result = function()
-        except Exception as exc:  # sent to the other ranks below, then raised here too
+        except Exception as exc:  # noqa: BLE001 - nothing swallowed: sent to the other ranks, then raised here
             error = exc
         gathered = self.all_gather((result, _describe(error)))
         if error is not None:

@@ -4,11 +4,14 @@ Reading data, a cache or a checkpoint from S3 (or any fsspec store), a refused c
 throttling answer says nothing about the object: replacing the sample by another of its bucket, as for an image
 that does not decode, would train on substitutes for as long as the store is away. ``call`` retries such a read
 with exponential backoff (1 s doubling to 30 s), saying once per attempt-series what it waits for, until a
-deadline (``data.outage_deadline_s``); a short outage costs only its length, and the same object is read. Past
+deadline (``data.outage_deadline_s``; ``checkpoint.outage_deadline_s`` for checkpoints, whose uploads, listings
+and deletions are retried the same way); a short outage costs only its length, and the same object is read. The
+deadline counts from the first failed attempt, so a long upload that the outage interrupts is still retried. Past
 the deadline it raises ``StoreUnreachable`` (exit 17: the job may be retried later, as is).
 """
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -18,11 +21,15 @@ from lit_dist.errors import ExitCode, LitDistError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+DEADLINE_S = 180.0  # the default of data.outage_deadline_s (and of reads that have no knob of their own)
 FIRST_WAIT_S = 1.0
 LONGEST_WAIT_S = 30.0
 # Codes and words of an answer that is the store's trouble, not the object's (S3 and its look-alikes).
-_SERVER_TROUBLE = ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttl", "503", "500",
-                   "502", "504", "Please reduce your request rate")
+_SERVER_TROUBLE = ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttl",
+                   "Please reduce your request rate")
+# A 5xx status as botocore ("An error occurred (503)") and aiohttp ("503, message=...") print it: a number of its own,
+# not digits of a key (a checkpoint's step-000000500).
+_SERVER_STATUS = re.compile(r"(?<![\w-])50[0234](?![\w-])")
 
 
 class StoreUnreachable(LitDistError):
@@ -58,16 +65,18 @@ def is_outage(exc: BaseException) -> bool:
         if isinstance(exc, connection):
             return True
         if isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
-            if any(word in str(exc) for word in _SERVER_TROUBLE):
+            if any(word in str(exc) for word in _SERVER_TROUBLE) or _SERVER_STATUS.search(str(exc)):
                 return True
         exc = exc.__cause__ or exc.__context__
     return False
 
 
-def call(read: Callable[[], T], what: str, deadline_s: float, who: str = "") -> T:
-    """``read()``, retried through an outage of the store for up to ``deadline_s`` seconds in all; ``who`` starts
-    each line (e.g. "rank 1: ")."""
-    started = time.monotonic()
+def call(read: Callable[[], T], what: str, deadline_s: float, who: str = "", verb: str = "reading",
+         knob: str = "data.outage_deadline_s") -> T:
+    """``read()``, retried through an outage of the store for up to ``deadline_s`` seconds from its first failure;
+    ``who`` starts each line (e.g. "rank 1: "), ``verb`` and ``what`` say what was being done ("saving", "step 12 to
+    s3://b/ckpt/step-000000012"), ``knob`` is the setting that holds the deadline."""
+    started = None  # the first failure: a long upload cut short is retried however long it ran
     wait = FIRST_WAIT_S
     while True:
         try:
@@ -75,12 +84,13 @@ def call(read: Callable[[], T], what: str, deadline_s: float, who: str = "") -> 
         except Exception as exc:  # noqa: BLE001 - only an outage is kept (is_outage); anything else is raised as is
             if not is_outage(exc):
                 raise
+            started = time.monotonic() if started is None else started
             waited = time.monotonic() - started
             if waited + wait > deadline_s:
-                raise StoreUnreachable(f"{who}the object store did not answer for {waited:.0f} s reading {what} "
-                                       f"({type(exc).__name__}: {exc}); retry the job later (data.outage_deadline_s: "
+                raise StoreUnreachable(f"{who}the object store did not answer for {waited:.0f} s {verb} {what} "
+                                       f"({type(exc).__name__}: {exc}); retry the job later ({knob}: "
                                        f"{deadline_s:.0f} s)") from exc
-            log.warning("lit-dist: %sthe object store does not answer (%s: %s) reading %s; waiting %.0f s (%.0f of "
-                        "%.0f s so far)", who, type(exc).__name__, exc, what, wait, waited, deadline_s)
+            log.warning("lit-dist: %sthe object store does not answer (%s: %s) %s %s; waiting %.0f s (%.0f of "
+                        "%.0f s so far)", who, type(exc).__name__, exc, verb, what, wait, waited, deadline_s)
             time.sleep(wait)
             wait = min(wait * 2, LONGEST_WAIT_S)

@@ -154,7 +154,7 @@ class MissingEntry(BadSample):
 class FieldView:
     """One field's entries for the samples of one dataset, by table position; safe to pickle to loader workers."""
 
-    outage_deadline_s = 180.0  # how long a read waits out a store that does not answer (the dataset sets its own)
+    outage_deadline_s = outage.DEADLINE_S  # how long a read waits out a store that does not answer (the dataset sets its own)
 
     def __init__(self, field: str, dtype: str, urls: list[str], storage_options: dict, shard: np.ndarray,
                  offset: np.ndarray, length: np.ndarray, crc: np.ndarray, encodings: list[dict] | None = None):

@@ -47,7 +47,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         random_crop: bool = False,
         seed: int = 0,
         storage_options: dict | None = None,
-        outage_deadline_s: float = 180.0,
+        outage_deadline_s: float = outage.DEADLINE_S,
         max_image_pixels: int | None = 178_956_970,
         positions: np.ndarray | None = None,
         cache: dict | None = None,

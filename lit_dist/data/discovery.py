@@ -373,7 +373,7 @@ def read_previous_index(path: str):
         if not fs.exists(file):
             return None
         table = pq.read_table(file, filesystem=fs)
-    except Exception as exc:  # a damaged cache costs a full rescan, not the run
+    except Exception as exc:  # noqa: BLE001 - rank 0 alone, before a collective: a damaged index costs a rescan
         log.warning("lit-dist: cannot read the earlier index %s (%s); reading every header again", path, exc)
         return None
     return table if {"filename", "width", "height", "bytes", "mtime"} <= set(table.column_names) else None

@@ -19,7 +19,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lit_dist import outage
 from lit_dist.errors import DataError
+
+
+def _unreadable() -> tuple[type[BaseException], ...]:
+    """What pyarrow raises for a file that is no (complete) parquet table: its own ArrowException family (some
+    also ValueError or OSError) and OSError for a failed read. An outage of the store is told apart before."""
+    import pyarrow as pa
+
+    return (pa.ArrowException, OSError, ValueError, EOFError)
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +96,15 @@ def list_parquet_files(path: str, storage_options: dict | None = None) -> tuple[
     import fsspec
 
     fs, fs_path = fsspec.core.url_to_fs(path, **(storage_options or {}))
-    if _GLOB_CHARS & set(fs_path):
-        files = sorted(fs.glob(fs_path))
-    elif fs.isdir(fs_path):
-        files = sorted(f for f in fs.find(fs_path) if f.endswith(".parquet"))
-    elif fs.exists(fs_path):
-        files = [fs_path]
-    else:
-        files = []
+
+    def listed() -> list[str]:
+        if _GLOB_CHARS & set(fs_path):
+            return sorted(fs.glob(fs_path))
+        if fs.isdir(fs_path):
+            return sorted(f for f in fs.find(fs_path) if f.endswith(".parquet"))
+        return [fs_path] if fs.exists(fs_path) else []
+
+    files = outage.call(listed, path, outage.DEADLINE_S)  # an outage is waited out, not "no parquet file there"
     if not files:
         raise DataError(
             f"data.metadata = {path!r}: no parquet file there. Point it at a parquet table (a file, a folder of "
@@ -130,8 +140,8 @@ def read_metadata(
     if isinstance(fs, LocalFileSystem):
         fs = None  # pyarrow's own local reads: through fsspec's file objects, the same read costs twice the time
     try:
-        schema = pq.read_schema(files[0], filesystem=fs)
-    except Exception as exc:  # pyarrow raises several types for a file that is not parquet
+        schema = outage.call(lambda: pq.read_schema(files[0], filesystem=fs), files[0], outage.DEADLINE_S)
+    except _unreadable() as exc:
         raise DataError(f"data.metadata = {path!r}: {files[0]} is not a readable parquet file ({exc}): it is damaged "
                         "(truncated, empty) or not parquet; write it again (for a table of `lit-dist index`: run it "
                         "again)") from exc
@@ -149,8 +159,10 @@ def read_metadata(
     optional = ("label", "split", *(IDENTITY_COLUMNS if identity else ()))
     wanted = [*REQUIRED_COLUMNS, *(c for c in optional if c in schema.names), *extra_columns]
     try:
-        table = pq.read_table(files if len(files) > 1 else files[0], columns=list(dict.fromkeys(wanted)), filesystem=fs)
-    except Exception as exc:
+        table = outage.call(lambda: pq.read_table(files if len(files) > 1 else files[0],
+                                                  columns=list(dict.fromkeys(wanted)), filesystem=fs),
+                            path, outage.DEADLINE_S)
+    except _unreadable() as exc:
         raise DataError(f"data.metadata = {path!r}: cannot read the table ({exc})") from exc
     return clean_table(table, source=path, extra_columns=extra_columns, strict=strict, val_fraction=val_fraction,
                        identity=identity)

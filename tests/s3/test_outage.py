@@ -132,3 +132,16 @@ def test_a_cache_on_s3_waits_out_an_outage_and_then_says_retry_later(s3, demo_da
             view.read(18)
     finally:
         proxy.close()
+
+
+def test_the_table_is_read_once_the_store_answers_again(proxied):
+    import threading
+
+    from lit_dist.data.metadata import read_metadata
+
+    url, proxy = proxied
+    proxy.cut()
+    threading.Timer(12.0, proxy.restore).start()  # longer than botocore's own retries (about 5 s)
+    started = time.monotonic()
+    meta = read_metadata(f"{url}/metadata.parquet", {"client_kwargs": {"endpoint_url": proxy.url}})
+    assert len(meta) == 400 and time.monotonic() - started > 11  # waited, then read: not a "damaged table" (exit 3)
