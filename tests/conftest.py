@@ -1,4 +1,6 @@
-"""Shared fixtures. Tiers are markers (see pyproject.toml); unmarked tests are ``unit``."""
+"""Shared fixtures. Tiers are markers (see pyproject.toml); unmarked tests are ``unit`` and run in pytest's own
+process. A test that starts any process (``lit_dist`` below, subprocess, fork, loader workers, a tool) is
+marked ``process``, or ``distributed`` for several ranks."""
 
 import os
 import signal
@@ -19,10 +21,14 @@ CONFIGS = REPO / "configs"
 
 
 def pytest_collection_modifyitems(items):
-    tiers = {"distributed", "slurm", "s3", "gpu"}
+    tiers = {"distributed", "slurm", "s3", "gpu", "process"}
     for item in items:
-        if not tiers & set(item.keywords):
+        tier = tiers & set(item.keywords)
+        if not tier:
             item.add_marker(pytest.mark.unit)
+        elif any(mark.name == "unit" for mark in item.iter_markers()):
+            # `-m unit` would select it: a module-level `pytestmark = pytest.mark.unit` over a process test.
+            raise pytest.UsageError(f"{item.nodeid} is marked unit and {', '.join(sorted(tier))}: one tier only")
 
 
 @pytest.fixture(autouse=True)

@@ -437,7 +437,9 @@ def test_ondemand_fills_the_cache_in_epoch_one_and_epoch_two_opens_no_source_ima
                             input_key=key, batch_size=1)
     train_rows = steps // 2
     assert per_epoch_opens == [train_rows, 0], per_epoch_opens
-    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=1, val_fraction=0.1, cache=cache)
+    # num_workers=0: only its plan is read, and loader workers would start a fork server (a process).
+    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=1, val_fraction=0.1, cache=cache,
+                          num_workers=0)
     _, coverage = dm.cache_plan(dm.read()).match()
     assert all(c.hits == train_rows for c in coverage.values())  # validation never ran here, so its rows wait
     # What epoch 1 trained on is what the cache now serves: the same run again opens nothing, ends the same.
@@ -447,6 +449,7 @@ def test_ondemand_fills_the_cache_in_epoch_one_and_epoch_two_opens_no_source_ima
         assert torch.equal(a, b), name
 
 
+@pytest.mark.process
 def test_plan_shows_the_cache_coverage_and_refuses_mode_read_when_incomplete(tmp_path, demo_data):
     from tests.conftest import lit_dist, quickstart_args
 
@@ -517,6 +520,7 @@ def test_mixed_datasets_read_their_own_entries_from_one_cache(tmp_path, demo_dat
     assert coverage["pixels"].hits == 800  # 400 rows of each dataset, not 400 shared by name
 
 
+@pytest.mark.process
 def test_cached_batches_come_from_threads_in_order_and_equal_the_worker_processes(tmp_path, data):
     from lit_dist.data.threads import ThreadLoader
 

@@ -30,6 +30,7 @@ def photos(tmp_path):
     return root
 
 
+@pytest.mark.process
 def test_a_file_rewritten_within_the_same_second_is_a_new_key_in_an_indexed_table(photos, tmp_path):
     out = lit_dist("index", str(photos), "--output", str(tmp_path / "meta.parquet"))
     assert out.returncode == 0, out.stderr

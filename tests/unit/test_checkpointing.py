@@ -163,6 +163,7 @@ def _write_large_file(path: str) -> None:
     assert write_atomically(fs, path, lambda f: f.write(data)).sha256 == hashlib.sha256(data).hexdigest()
 
 
+@pytest.mark.process
 def test_a_forked_child_writes_large_files_after_its_parent_did(tmp_path):
     """The parent's hashing thread does not survive a fork; the child gets a pool of its own, not a hang."""
     import multiprocessing
@@ -208,6 +209,7 @@ def test_monitor_records_the_metric_and_keeps_the_best(tmp_path, demo_data):
     assert callback.best_model_path == f"{tmp_path / 'ckpt' / best}/{STATE}"
 
 
+@pytest.mark.process
 def test_the_cli_resumes_by_default_and_says_where_it_fell_back(tmp_path, demo_data):
     args = ["fit", *quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, run__run_id="r1",
                                     trainer__enable_progress_bar=False)]

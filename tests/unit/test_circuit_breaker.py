@@ -37,6 +37,7 @@ def test_throttling_must_persist_and_thermal_slowdown_only_warns():
     assert judge()(Reading(0, throttle=THERMAL_SLOWDOWN)) == (None, "thermal slowdown")
 
 
+@pytest.mark.process
 def test_without_nvml_the_breaker_says_so_once_and_training_goes_on(tmp_path, demo_data):
     import json
 
@@ -129,6 +130,7 @@ def test_an_nvml_module_that_is_not_there_is_a_config_error_when_the_breaker_is_
     GPUCircuitBreaker(nvml_module="tests.helpers.fake_nvml")  # the double has pynvml's API
 
 
+@pytest.mark.process
 def test_a_misspelt_nvml_module_stops_lit_dist_fit_with_exit_2_before_training(tmp_path, demo_data):
     from tests.conftest import lit_dist, quickstart_args
 

@@ -61,6 +61,7 @@ def test_deepspeed_json_that_disagrees_with_the_run_is_refused(tmp_path):
     assert warnings and "ZeRO-3" in warnings[0]
 
 
+@pytest.mark.process
 def test_several_configs_and_dotted_overrides_apply_in_order(tmp_path):
     extra = tmp_path / "extra.yaml"
     extra.write_text("model:\n  warmup_steps: 7\ndata:\n  batch_size_per_device: 5\n")
@@ -72,6 +73,7 @@ def test_several_configs_and_dotted_overrides_apply_in_order(tmp_path):
     assert config["model"]["init_args"]["net"]["class_path"] == "lit_dist.models.SimpleCNN"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("flag", ["--help", "-h", None])
 def test_top_level_help_lists_every_command_with_its_line(flag):
     out = lit_dist(*([flag] if flag else []))
@@ -85,6 +87,7 @@ def test_top_level_help_lists_every_command_with_its_line(flag):
     assert "lit-dist fit --help" in text
 
 
+@pytest.mark.process
 def test_help_lists_every_knob_with_a_description():
     out = lit_dist("fit", "--help")
     assert out.returncode == 0, out.stderr
@@ -103,6 +106,7 @@ def test_help_lists_every_knob_with_a_description():
             assert not match.group(1).strip().startswith("(type"), f"--{prefix}.{name} has no description"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "args,code,needles",
     [
@@ -127,6 +131,7 @@ def test_bad_input_gets_one_clear_message_and_a_documented_exit_code(args, code,
         assert needle in error[0]
 
 
+@pytest.mark.process
 def test_a_missing_table_is_a_data_error_not_a_demo_even_with_create_demo_if_missing(tmp_path):
     missing = tmp_path / "some" / "where" / "meta.parquet"
     out = lit_dist("fit", *quickstart_args(tmp_path / "runs", missing), cwd=tmp_path)
@@ -136,6 +141,7 @@ def test_a_missing_table_is_a_data_error_not_a_demo_even_with_create_demo_if_mis
     assert not (tmp_path / "some").exists() and not (tmp_path / "data").exists()
 
 
+@pytest.mark.process
 def test_fit_prints_nothing_meaningless(tmp_path, demo_data):
     import shutil
 
@@ -172,6 +178,7 @@ def test_run_id_is_shared_by_child_processes_and_follows_slurm():
     assert resolve_run_id(None, {"LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "none"}) == launched
 
 
+@pytest.mark.process
 def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data):
     args = quickstart_args(tmp_path, demo_data, run__run_id="same", trainer__max_epochs=1, trainer__limit_train_batches=2,
                            trainer__limit_val_batches=1, data__num_workers=0, data__batch_size_per_device=8)
@@ -189,6 +196,7 @@ def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data)
     assert out.returncode == 0 and "val/acc" in out.stdout, out.stderr[-3000:]
 
 
+@pytest.mark.process
 def test_validate_test_and_predict_use_a_checkpoint(tmp_path, demo_data):
     common = quickstart_args(tmp_path, demo_data, data__num_workers=0, trainer__enable_progress_bar=False,
                              data__batch_size_per_device=8)

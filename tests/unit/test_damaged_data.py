@@ -109,6 +109,7 @@ CASES = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncate", "empty", "delete"])
 @pytest.mark.parametrize("name", list(CASES))
@@ -163,6 +164,7 @@ def test_each_damaged_file_gives_one_message_and_its_exit_code_or_is_recovered(t
         assert pq.read_table(target).num_rows == 400  # scanned again and written whole
 
 
+@pytest.mark.process
 def test_a_truncated_manifest_is_rebuilt_from_the_index_files_and_written_back(tmp_path, demo_data, built):
     cache = tmp_path / "cache"
     shutil.copytree(built[0] / "cache", cache)
@@ -182,6 +184,7 @@ def test_a_truncated_manifest_is_rebuilt_from_the_index_files_and_written_back(t
     assert json.loads(manifest.read_text())["shards"] == original["shards"]  # the same entries, nothing rebuilt
 
 
+@pytest.mark.process
 def test_a_deleted_shard_stops_mode_read_before_training_and_is_rebuilt(tmp_path, demo_data, built):
     cache = tmp_path / "cache"
     shutil.copytree(built[0] / "cache", cache)
@@ -204,6 +207,7 @@ def move_images_down(demo_data: Path, where: Path) -> Path:
     return where / "metadata.parquet"
 
 
+@pytest.mark.process
 def test_a_wrong_root_stops_before_training_and_says_where_the_files_are(tmp_path, demo_data):
     table = move_images_down(demo_data, tmp_path)
     args = dict(trainer__max_steps=1, trainer__limit_val_batches=0, data__allow_oversubscription=True)
@@ -222,6 +226,7 @@ def test_a_wrong_root_stops_before_training_and_says_where_the_files_are(tmp_pat
     assert out.returncode == 3 and "32 of 32 files sampled from the table are not there" in one_error(out)
 
 
+@pytest.mark.process
 def test_a_bucket_of_bad_images_is_one_data_error_from_a_loader_worker(tmp_path, demo_data):
     shutil.copytree(demo_data.parent, tmp_path / "shapes")
     for image in (tmp_path / "shapes").glob("*/*.png"):
@@ -240,6 +245,7 @@ def test_a_bucket_of_bad_images_is_one_data_error_from_a_loader_worker(tmp_path,
         assert f"cannot read {tmp_path}/shapes/{name} (" in out.stderr
 
 
+@pytest.mark.process
 def test_a_bucket_of_damaged_cache_entries_is_one_data_error_from_the_reading_threads(tmp_path, demo_data, built):
     cache = tmp_path / "cache"
     shutil.copytree(built[0] / "cache", cache)
@@ -279,6 +285,7 @@ def test_only_bad_images_are_replaced_and_the_final_error_names_the_files_tried(
                                                                         FileNotFoundError)
 
 
+@pytest.mark.process
 def test_stale_entries_of_changed_source_files_say_so(tmp_path, demo_data):
     from PIL import Image
 
@@ -302,6 +309,7 @@ def test_stale_entries_of_changed_source_files_say_so(tmp_path, demo_data):
         "rank of a job builds its share), or set data.cache.mode: build.")
 
 
+@pytest.mark.process
 def test_index_files_describe_their_shards(built):
     from lit_dist.cache.shards import index_description, read_index
 

@@ -166,6 +166,7 @@ def test_every_split_serves_each_sample_its_own_row_label_and_caption(demo_data,
     assert a["caption"] == b["caption"] and all(torch.equal(a[k], b[k]) for k in ("row", "label", "image"))
 
 
+@pytest.mark.process
 def test_no_allocator_thread_that_a_forked_loader_worker_could_deadlock_on():
     # A process forked while pyarrow's jemalloc background thread holds a lock can deadlock; lit-dist turns
     # the thread off before pyarrow is imported (the fork server in test_workers.py has no thread at all).

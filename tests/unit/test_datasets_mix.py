@@ -36,6 +36,7 @@ def test_datasets_and_metadata_together_are_refused(demo_data):
         BucketDataModule(datasets=[DatasetSource(metadata=str(demo_data), weight=0)])
 
 
+@pytest.mark.process
 def test_plan_lists_each_dataset_from_yaml(two_tables, tmp_path):
     a, b = two_tables
     config = tmp_path / "mix.yaml"

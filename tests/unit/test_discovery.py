@@ -3,6 +3,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
 from lit_dist.data.discovery import load_or_scan, merge_shares, scan_folder
@@ -53,6 +54,7 @@ def test_the_cache_is_reused_for_unchanged_files_and_preserved_on_request(tmp_pa
     assert "cats/new.png" in pq.read_table(cache).column("filename").to_pylist()
 
 
+@pytest.mark.process
 def test_index_command_writes_a_table_training_can_read(tmp_path):
     make_images(tmp_path / "imgs")
     out = lit_dist("index", str(tmp_path / "imgs"), "--output", str(tmp_path / "meta.parquet"), "--labels_from_folders", "true")

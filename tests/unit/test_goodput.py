@@ -11,8 +11,6 @@ from lit_dist.ckpt.store import CheckpointStore
 from lit_dist.errors import ExitCode
 from tests.conftest import lit_dist, quickstart_args
 
-pytestmark = pytest.mark.unit
-
 
 def test_a_journal_keeps_the_last_step_in_one_fixed_record_and_the_saves_and_end_in_json(tmp_path):
     journal = goodput.Journal(str(tmp_path), 2, started=100.0, resumed_step=5)
@@ -56,6 +54,7 @@ def _fit(tmp_path, demo_data, *extra):
     return lit_dist("fit", *args, *extra)
 
 
+@pytest.mark.process
 def test_a_run_killed_twice_and_preempted_once_reports_exactly_the_steps_it_redid(tmp_path, demo_data):
     kill = "--trainer.callbacks+=tests.helpers.recorder.KillAtStep"
     # 1: killed after step 8 -> resumes from 5, 3 steps redone.

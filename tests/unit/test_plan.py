@@ -1,5 +1,7 @@
 from types import SimpleNamespace
 
+import pytest
+
 from lit_dist.errors import ExitCode
 from lit_dist.launch import world_size
 from tests.conftest import lit_dist, quickstart_args
@@ -9,6 +11,7 @@ def plan(*args, demo_data):
     return lit_dist("plan", *quickstart_args(None, demo_data), *args)
 
 
+@pytest.mark.process
 def test_plan_prints_batches_lr_steps_and_buckets(demo_data):
     out = plan("--trainer.devices", "2", "--data.batch_size_per_device", "4", demo_data=demo_data)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -18,6 +21,7 @@ def test_plan_prints_batches_lr_steps_and_buckets(demo_data):
     assert "buckets (train)" in out.stdout and "no problems found" in out.stdout
 
 
+@pytest.mark.process
 def test_plan_fails_before_anything_starts_when_buckets_are_too_small(demo_data):
     out = plan("--trainer.devices", "8", "--trainer.num_nodes", "4", demo_data=demo_data)
     assert out.returncode == ExitCode.DATA_ERROR
@@ -43,6 +47,7 @@ def test_world_size_follows_the_config_then_the_launcher_or_allocation():
     assert world_size(SimpleNamespace(devices=[0, 1], num_nodes=1, accelerator="gpu"), {}) == (2, 2, 1)
 
 
+@pytest.mark.process
 def test_the_demos_verdict_does_not_depend_on_whether_it_was_generated_yet(tmp_path):
     from lit_dist.data.demo import DEMO_METADATA, create_shapes_dataset
 

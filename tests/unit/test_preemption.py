@@ -79,6 +79,7 @@ def test_unknown_signal_names_are_a_config_error():
         Preemption(signals=["SIGNOPE"])
 
 
+@pytest.mark.process
 def test_sigterm_outside_slurm_saves_and_exits_11(tmp_path, demo_data):
     # What Kubernetes does before it kills a pod: SIGTERM, then a grace period.
     cmd = [sys.executable, "-m", "lit_dist", "fit",

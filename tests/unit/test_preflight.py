@@ -9,8 +9,6 @@ from lit_dist.errors import ConfigError
 from lit_dist.preflight import Preflight, RankFigures, outliers
 from tests.conftest import lit_dist, quickstart_args
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"min_fraction": 1.0}, r"preflight.min_fraction = 1.0: must be between 0 and 1"),
@@ -37,6 +35,7 @@ def test_each_figure_below_the_fraction_of_its_median_is_named_with_rank_node_an
     assert not [o for o in outliers(missing, {}, 0.5) if "read" in o]
 
 
+@pytest.mark.process
 def test_the_command_prints_the_table_and_writes_preflight_json_then_fit_runs_it_before_training(tmp_path, demo_data):
     args = quickstart_args(tmp_path, demo_data, data__num_workers=0, data__batch_size_per_device=8, run__run_id="p")
     flags = ["--preflight.seconds", "0.3", "--preflight.io_mb", "2"]

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from lit_dist.errors import ExitCode
 from lit_dist.processes import how_it_ended, run_code, worker_death
 
@@ -39,6 +41,7 @@ def test_pytorchs_dead_worker_errors_become_one_line_with_the_rank_and_the_signa
     assert worker_death(RuntimeError("Connection reset by peer"), rank=0) is None
 
 
+@pytest.mark.process
 def test_a_dead_workers_status_is_read_from_its_process_object_when_the_error_has_none():
     process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
     process.start()
@@ -48,6 +51,7 @@ def test_a_dead_workers_status_is_read_from_its_process_object_when_the_error_ha
     assert f"(pid {process.pid}) was killed by SIGKILL" in str(err), err
 
 
+@pytest.mark.process
 def test_a_process_that_asked_to_die_with_its_parent_does(tmp_path):
     # parent -> child; the child asks, then the parent exits: the child must be gone, not orphaned.
     script = ("import os, sys, time; from lit_dist.processes import die_with_parent\n"
@@ -88,6 +92,7 @@ def test_a_collective_broken_by_a_peer_that_went_away_is_one_line_and_anything_e
     assert peer_lost(ValueError("Connection reset by peer"), rank=0) is None  # not a collective's error
 
 
+@pytest.mark.process
 def test_a_lit_dist_error_raised_in_a_loader_worker_reaches_the_user_as_its_own_message():
     import torch
 

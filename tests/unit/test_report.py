@@ -9,9 +9,8 @@ from lit_dist.ckpt.store import CheckpointStore
 from lit_dist.errors import ExitCode
 from tests.conftest import lit_dist, quickstart_args
 
-pytestmark = pytest.mark.unit
 
-
+@pytest.mark.process
 def test_report_of_a_finished_run_names_its_changes_metrics_goodput_and_checkpoints_and_plots_them(tmp_path, demo_data):
     args = quickstart_args(tmp_path, demo_data, data__num_workers=0, data__batch_size_per_device=8,
                            trainer__max_epochs=2, trainer__log_every_n_steps=5, run__run_id="r",
@@ -40,6 +39,7 @@ def test_report_of_a_finished_run_names_its_changes_metrics_goodput_and_checkpoi
         assert image.format == "PNG" and image.size == (1100, 700)
 
 
+@pytest.mark.process
 def test_report_of_a_killed_run_says_it_stopped_without_a_word_and_a_wrong_folder_is_a_config_error(tmp_path,
                                                                                                       demo_data):
     args = quickstart_args(tmp_path, demo_data, data__num_workers=0, data__batch_size_per_device=8,

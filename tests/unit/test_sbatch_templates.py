@@ -23,6 +23,7 @@ def test_all_four_templates_exist():
                                            "cpu.sbatch"}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
 def test_template_rules(template):
     d = directives(template)

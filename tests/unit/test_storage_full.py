@@ -26,6 +26,7 @@ def small_fs(tmp_path):
     yield from mounter(tmp_path)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_full_disk_ends_with_one_line_and_exit_16_and_the_run_resumes_on_a_bigger_one(async_save, small_fs, tmp_path,
                                                                                           demo_data):
@@ -53,6 +54,7 @@ def test_a_full_disk_ends_with_one_line_and_exit_16_and_the_run_resumes_on_a_big
     assert "running out of room" not in resumed.stderr
 
 
+@pytest.mark.process
 def test_a_first_checkpoint_that_does_not_fit_says_its_size_from_the_state_in_memory(small_fs, demo_data):
     small = small_fs("small", 300)  # less than one checkpoint
     out = lit_dist("fit", *quickstart_args(small, demo_data, **RUN), timeout=180)

@@ -53,6 +53,7 @@ def test_fsdp1_and_deepspeed_presets_construct_on_cpu():
         assert strategy.config["zero_optimization"]["stage"] == expected
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("preset", ["deepspeed_zero2_offload.yaml", "deepspeed_zero3_offload.yaml"])
 def test_offload_presets_without_deepspeed_name_the_install_command(preset, tmp_path):
     from lit_dist.errors import ExitCode

@@ -132,6 +132,7 @@ def test_urls_come_from_env_or_file_and_missing_ones_are_named(monkeypatch, tmp_
     assert "127.0.0.1:9" not in repr(n)
 
 
+@pytest.mark.process
 def test_a_real_run_reports_its_events_and_writes_no_secret(server, tmp_path, demo_data):
     url = server.url("/ok") + "?token=TOPSECRET-123"
     out = lit_dist("fit", *quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, trainer__max_epochs=1,

@@ -11,8 +11,6 @@ from lit_dist.data import workers
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize(("version", "safe"), [
     ((3, 10, 14), False), ((3, 10, 15), True), ((3, 11, 7), False), ((3, 11, 9), False), ((3, 11, 10), True),
@@ -35,6 +33,7 @@ def _batches(dm: BucketDataModule, split: str) -> list[dict]:
     return [batch for _, batch in zip(range(3), loader, strict=False)]
 
 
+@pytest.mark.process
 def test_forkserver_workers_serve_the_batches_fork_workers_serve_from_a_single_threaded_server(demo_data):
     made = {}
     for start in ("fork", "forkserver"):
@@ -59,6 +58,7 @@ def test_forkserver_workers_serve_the_batches_fork_workers_serve_from_a_single_t
                     assert a[key] == b[key], (split, key)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(workers.fork_is_safe(), reason="this Python forks threaded processes safely")
 def test_on_this_python_a_data_module_starts_its_fork_server_when_it_is_made(demo_data):
     import subprocess
@@ -91,6 +91,7 @@ if __name__ == "__main__":  # workers not forked from this process import it
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_stop_signals_sent_to_every_process_leave_the_loader_serving_to_the_end(demo_data, tmp_path, start):
     import subprocess

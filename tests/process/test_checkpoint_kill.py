@@ -16,7 +16,7 @@ from lit_dist.ckpt.store import CheckpointStore
 from tests.conftest import REPO, lit_dist
 from tests.helpers.kill_driver import ARGS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def test_killed_saves_never_leave_a_torn_checkpoint_and_training_resumes(tmp_path, demo_data):

@@ -20,7 +20,7 @@ import yaml
 
 from tests.conftest import REPO, lit_dist
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def write_config(path, demo_data, cache_dir) -> str:

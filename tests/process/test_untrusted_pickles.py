@@ -14,6 +14,8 @@ import torch
 from lit_dist.ckpt.store import MARKER, STATE
 from tests.conftest import lit_dist, quickstart_args
 
+pytestmark = pytest.mark.process
+
 
 class Planted:
     """Unpickling it runs code: it writes ``marker``."""

@@ -5,6 +5,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.process
+
 
 def test_ruff_finds_nothing():
     ruff = shutil.which("ruff", path=str(REPO / ".venv" / "bin")) or shutil.which("ruff")

@@ -6,6 +6,8 @@ from lightning.pytorch import Callback
 
 from tests.conftest import lit_dist, quickstart_args
 
+pytestmark = pytest.mark.process
+
 
 class BrokenOnException(Callback):
     """A callback whose ``on_exception`` has a bug: it runs while Lightning handles the run's error."""
@@ -25,7 +27,7 @@ def test_a_bug_raised_while_a_user_error_is_handled_shows_its_traceback(tmp_path
     # The demo's buckets are too small for a global batch of 32: a data error inside trainer.fit, during whose
     # handling the callback's bug is raised. Exiting 3 with the data error's line alone would hide the bug.
     out = lit_dist("fit", *quickstart_args(tmp_path, demo_data, data__num_workers=0),
-                   "--trainer.callbacks+=tests.unit.test_cli_errors.BrokenOnException")
+                   "--trainer.callbacks+=tests.process.test_cli_errors.BrokenOnException")
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" in out.stderr and "RuntimeError: bug in BrokenOnException.on_exception" in out.stderr
     assert "fewer than one global batch" in out.stderr, "the user error stays visible as the bug's context"

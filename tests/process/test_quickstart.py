@@ -7,6 +7,8 @@ import pytest
 from tests.conftest import CONFIGS, lit_dist
 from tests.helpers.quickstart import check_quickstart_output
 
+pytestmark = pytest.mark.process
+
 
 @pytest.mark.slow
 def test_quickstart_trains_to_90_percent_on_cpu(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 
 from tests.conftest import CONFIGS, lit_dist
 
+pytestmark = pytest.mark.process
 pytest.importorskip("diffusers")
 LATENT = ["--config", str(CONFIGS / "latent_quickstart.yaml")]
 ON_THE_FLY = [*LATENT, "--config", str(CONFIGS / "latent_on_the_fly.yaml")]
