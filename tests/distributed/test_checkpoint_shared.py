@@ -6,22 +6,20 @@ other files, as on a node where the shared filesystem is missing.
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.distributed
 
 
 def torchrun_env(run_id: str) -> dict:
     """What torchrun gives two processes on one machine (each adds its RANK and LOCAL_RANK)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                TORCHELASTIC_RUN_ID=run_id, PYTHONPATH=str(REPO))

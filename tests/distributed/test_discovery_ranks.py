@@ -12,6 +12,7 @@ from PIL import Image
 
 from lit_dist.data.discovery import scan_folder
 from tests.conftest import REPO, lit_dist, quickstart_args
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.distributed
 BIN = Path(sys.executable).parent
@@ -32,8 +33,8 @@ def image_folder(tmp_path_factory) -> Path:
     return root
 
 
-def torchrun_index(folder: Path, output: Path, port: int) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "torchrun"), "--nproc-per-node=2", f"--master-port={port}", "-m", "lit_dist",
+def torchrun_index(folder: Path, output: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "torchrun"), "--nproc-per-node=2", f"--master-port={free_port()}", "-m", "lit_dist",
                            "index", str(folder), "--output", str(output), "--labels_from_folders", "true"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
 
@@ -41,7 +42,7 @@ def torchrun_index(folder: Path, output: Path, port: int) -> subprocess.Complete
 def test_index_under_torchrun_writes_the_one_process_table(tmp_path, image_folder):
     one = lit_dist("index", str(image_folder), "--output", str(tmp_path / "one.parquet"), "--labels_from_folders", "true")
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun_index(image_folder, tmp_path / "two.parquet", 29541)
+    two = torchrun_index(image_folder, tmp_path / "two.parquet")
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     assert two.stdout.count("lit-dist index: 203 images") == 1 and "by 2 processes" in two.stdout  # rank 0 alone
     assert "102/102" in two.stderr and "203/203" not in two.stderr  # rank 0's progress bar: every other file
@@ -52,7 +53,7 @@ def test_index_under_torchrun_writes_the_one_process_table(tmp_path, image_folde
     shutil.copytree(image_folder, folder, copy_function=shutil.copy2)  # copy2 keeps the mtimes
     shutil.copy2(tmp_path / "two.parquet", tmp_path / "grown.parquet")
     Image.new("RGB", (7, 9)).save(folder / "cross" / "new.png")
-    again = torchrun_index(folder, tmp_path / "grown.parquet", 29543)
+    again = torchrun_index(folder, tmp_path / "grown.parquet")
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert pq.read_table(tmp_path / "grown.parquet").equals(scan_folder(str(folder), labels_from_folders=True, progress=False))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, quickstart_args
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.distributed
 BIN = Path(sys.executable).parent
@@ -25,7 +26,7 @@ def check(out: subprocess.CompletedProcess, launcher: str) -> None:
 
 
 def test_torchrun_on_one_machine(tmp_path, demo_data):
-    out = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node=2", "--master-port=29531", "-m", "lit_dist", "fit",
+    out = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node=2", f"--master-port={free_port()}", "-m", "lit_dist", "fit",
                           *quickstart_args(tmp_path, demo_data), *COMMON],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     check(out, "torchrun")
@@ -34,7 +35,7 @@ def test_torchrun_on_one_machine(tmp_path, demo_data):
 @pytest.mark.skipif(not shutil.which("deepspeed", path=str(BIN)), reason="DeepSpeed is not installed")
 def test_the_deepspeed_launcher_on_one_machine(tmp_path, demo_data):
     # It adds --local_rank=N to the command line, which lit-dist takes from LOCAL_RANK instead.
-    out = subprocess.run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29533", "--module", "lit_dist",
+    out = subprocess.run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "lit_dist",
                           "fit", *quickstart_args(tmp_path, demo_data, run__run_id="ds"), *COMMON],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     check(out, "DeepSpeed launcher")

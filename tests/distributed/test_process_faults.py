@@ -119,7 +119,7 @@ def test_a_peer_killed_under_torchrun_is_one_line_on_the_ranks_left_and_nothing_
     from pathlib import Path
 
     from tests.conftest import REPO
-    from tests.helpers.processes import free_port
+    from tests.helpers.ports import free_port
 
     torchrun = Path(sys.executable).parent / "torchrun"
     args = quickstart_args(tmp_path, demo_data, data__batch_size_per_device=8, data__num_workers=1,

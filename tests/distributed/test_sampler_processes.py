@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_dist.data.sampler import BucketBatchSampler
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.distributed
 WORLD = 3
@@ -29,11 +30,12 @@ def _worker(rank: int, port: int, bucket_ids: np.ndarray, queue) -> None:
     dist.destroy_process_group()
 
 
-def test_ranks_in_separate_processes_split_the_data_exactly(unused_tcp_port):
+def test_ranks_in_separate_processes_split_the_data_exactly():
     bucket_ids = np.random.default_rng(0).integers(0, 6, size=997)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, unused_tcp_port, bucket_ids, queue)) for r in range(WORLD)]
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, bucket_ids, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
     gathered = queue.get(timeout=120)
@@ -48,12 +50,3 @@ def test_ranks_in_separate_processes_split_the_data_exactly(unused_tcp_port):
             assert len(set(bucket_ids[batch])) == 1
     evaluated = Counter(i for g in gathered for batch, weight in g["eval"] if weight for i in batch)
     assert evaluated == Counter(range(len(bucket_ids)))
-
-
-@pytest.fixture
-def unused_tcp_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

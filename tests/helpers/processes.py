@@ -39,12 +39,3 @@ def left_after(sid: int, bound_s: float) -> dict[int, str]:
         except ProcessLookupError:
             pass
     return left
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now (the kernel's choice), for a launcher's rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

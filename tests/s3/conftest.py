@@ -1,7 +1,6 @@
 """A real S3-compatible server (moto's server mode, as s3fs's own tests use) on 127.0.0.1."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -9,16 +8,12 @@ import time
 import pytest
 import requests
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.ports import free_port
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

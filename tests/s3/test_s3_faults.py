@@ -15,6 +15,7 @@ import time
 import pytest
 
 from tests.conftest import lit_dist
+from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.s3
 
@@ -23,9 +24,7 @@ BUCKET = "lit-dist-faults"
 
 
 def start_server(**env) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.helpers.ports import free_ports
+
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BRIDGE, SUBNET = "ldbr0", "10.251.0"
 MUNGE_PID = Path("/run/munge/munged.pid")
@@ -95,7 +97,7 @@ def _node_hardware() -> str:
     return f"CPUs=4 Boards=1 SocketsPerBoard=1 CoresPerSocket=4 ThreadsPerCore=1 RealMemory={memory}"
 
 
-def write_config(folder: Path, nodes: int, port: int) -> Path:
+def write_config(folder: Path, nodes: int, ctld_port: int, slurmd_port: int) -> Path:
     host = socket.gethostname().split(".")[0]
     hardware = _node_hardware()
     if nodes == 1:
@@ -114,8 +116,8 @@ def write_config(folder: Path, nodes: int, port: int) -> Path:
     # started earlier, slurmd refuses it: "Job credential revoked").
     conf.write_text(f"""ClusterName=litdist
 SlurmctldHost={controller}
-SlurmctldPort={port}
-SlurmdPort={port + 1}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=cred_expire=10
@@ -174,10 +176,12 @@ def node_command(folder: Path, node: int, command: str) -> list[str]:
             "--", "sh", "-c", f"mount -n --bind {folder / 'hosts'} /etc/hosts && hostname node{node} && {command}"]
 
 
-def start(folder: Path, nodes: int = 1, port: int = 6917) -> dict:
+def start(folder: Path, nodes: int = 1) -> dict:
     """Start munged (if not running), slurmctld and one slurmd per node; returns the clients' environment."""
     folder.mkdir(parents=True, exist_ok=True)
-    conf = write_config(folder, nodes, port)
+    # Ports free now, not fixed ones: the one-node cluster's slurmd and every slurmctld listen in this
+    # network namespace, where another session's cluster or anything else may hold a fixed port.
+    conf = write_config(folder, nodes, *free_ports(2))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     if _start_munge():
         shutil.copy(MUNGE_PID, folder / "munged.pid")

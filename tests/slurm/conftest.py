@@ -48,7 +48,7 @@ def slurm_nodes(tmp_path_factory):
         pytest.skip("emulating nodes needs ip, nsenter and unshare")
     folder = tmp_path_factory.mktemp("slurm-nodes")
     try:
-        env = cluster.start(folder, nodes=3, port=7017)
+        env = cluster.start(folder, nodes=3)
     except Exception:
         cluster.stop(folder)
         raise

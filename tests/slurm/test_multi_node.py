@@ -33,6 +33,7 @@ def test_torchrun_across_two_nodes_without_slurm(slurm_nodes, tmp_path, demo_dat
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
     procs = []
     for node in (1, 2):
+        # A fixed rendezvous port is safe here: node1 is a network namespace of its own, where nothing else runs now.
         command = (f"exec {REPO}/.venv/bin/torchrun --nnodes=2 --nproc-per-node=1 --node-rank={node - 1} "
                    f"--master-addr=node1 --master-port=29517 --rdzv-id=job7 -m lit_dist fit "
                    f"{' '.join(quickstart_args(tmp_path, demo_data) + COMMON)}")

@@ -1,6 +1,5 @@
 """Webhooks against a real HTTP server on 127.0.0.1: delivery, schema, limits, retries, and never blocking."""
 
-import socket
 import time
 
 import pytest
@@ -9,6 +8,7 @@ from lit_dist.callbacks.webhooks import SCHEMA, WebhookNotifier, WebhookSink, di
 from lit_dist.errors import ConfigError
 from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.http_server import Recorder, self_signed_cert
+from tests.helpers.ports import free_port
 
 
 @pytest.fixture
@@ -86,9 +86,7 @@ def test_redirects_are_not_followed(server, monkeypatch):
 
 
 def test_a_closed_port_fails_within_the_deadline(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens: every attempt is refused at once
     n = notifier(monkeypatch, f"http://127.0.0.1:{port}/x", deadline_s=2)
     started = time.monotonic()
     n.notify("run.started", "info", "go")
@@ -166,9 +164,7 @@ def test_final_events_get_their_attempt_before_the_flush_ends_whatever_is_stuck_
 
 
 def test_no_backoff_after_the_last_retry(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens: every attempt is refused at once
     monkeypatch.setattr("lit_dist.callbacks.webhooks.random.random", lambda: 0.5)  # backoffs 0.25 s, 0.5 s
     n = notifier(monkeypatch, f"http://127.0.0.1:{port}/x", max_retries=2, deadline_s=30)
     started = time.monotonic()
