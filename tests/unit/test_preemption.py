@@ -96,6 +96,7 @@ def test_sigterm_outside_slurm_saves_and_exits_11(tmp_path, demo_data):
     exited = time.monotonic() - sent
     assert proc.returncode == 11, output[-3000:]
     assert "lit-dist: preempted (SIGTERM) at step" in output and "not requeued" in output
+    # The behaviour under test: saved and gone within Kubernetes' default grace period (30 s, then SIGKILL).
     assert exited < 20, f"took {exited:.1f} s from SIGTERM to exit"
     newest = CheckpointStore(str(folder)).find_valid()[0]
     manifest = json.loads((folder / newest / "COMPLETE.json").read_text())

@@ -60,8 +60,11 @@ def test_data_wait_is_near_one_with_a_slow_loader_and_near_zero_in_memory():
     # Lightning's own work between two steps (~4 ms here: 0.13 to 0.15 measured).
     slow = fit(Images(height=128, width=192, delay_s=0.05), Progress())
     fast = fit(Images(height=128, width=192), Progress())
-    assert slow.last["data_wait"] > 0.8, slow.last
-    assert fast.last["data_wait"] < 0.25, fast.last
+    # Slow: 0.2 s of loading per batch of 4 against ~30 ms of compute, about 0.87 on an idle machine. Other
+    # processes on the same cores stretch the compute and shift both fractions: the bounds say "mostly waiting"
+    # and "mostly computing", not how fast.
+    assert slow.last["data_wait"] > 0.6, slow.last
+    assert fast.last["data_wait"] < 0.4, fast.last
     assert slow.last["samples_per_s"] < fast.last["samples_per_s"]
 
 
