@@ -58,6 +58,11 @@ class TcpProxy:
 
     def cut(self) -> None:
         """Refuse new connections and reset the open ones."""
+        try:
+            # Wakes the accepting thread: close() alone leaves its accept() waiting, and it takes one more connection.
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             for s in self._open:
