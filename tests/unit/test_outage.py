@@ -1,6 +1,8 @@
 """An outage of the object store told apart from a bad object, waited out, then "retry later" (the whole runs
 against a stopped store are in tests/s3/test_outage.py)."""
 
+import time
+
 import pytest
 from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 
@@ -65,3 +67,34 @@ def test_an_outage_past_its_deadline_says_retry_later_and_other_errors_pass_thro
 
     with pytest.raises(FileNotFoundError):  # not waited for: the object is missing, the store answered
         outage.call(missing, "b/k.png", deadline_s=5)
+
+
+def test_a_status_code_is_a_number_of_its_own_not_digits_of_a_key():
+    assert outage.is_outage(OSError("An error occurred (500) when calling the PutObject operation: Internal Error"))
+    assert outage.is_outage(OSError("502, message='Bad Gateway', url='http://store:9000/b/k'"))
+    # A checkpoint's key holds its step: step 500's invalid argument is no server error.
+    assert not outage.is_outage(OSError(22, "Invalid argument", "b/ckpt/step-000000500/state.ckpt"))
+    assert not outage.is_outage(OSError("b/run-503/metadata.parquet is not a parquet file"))
+
+
+def test_the_deadline_counts_from_the_first_failure_so_a_long_upload_cut_short_is_retried(monkeypatch):
+    monkeypatch.setattr(outage, "FIRST_WAIT_S", 0.01)
+    attempts = []
+
+    def upload():
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            time.sleep(0.3)  # uploading for longer than the whole deadline, then the connection is reset
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return "uploaded"
+
+    assert outage.call(upload, "step 5 to s3://b/ckpt/step-000000005", 0.2, verb="saving") == "uploaded"
+    assert len(attempts) == 2
+
+    def refused():
+        raise ConnectionRefusedError(111, "refused")
+
+    with pytest.raises(outage.StoreUnreachable, match=r"^the object store did not answer for .* saving step 5 to "
+                       r"s3://b/ckpt/step-000000005 .*\(checkpoint.outage_deadline_s: 0 s\)$"):
+        outage.call(refused, "step 5 to s3://b/ckpt/step-000000005", 0.1, verb="saving",
+                    knob="checkpoint.outage_deadline_s")
