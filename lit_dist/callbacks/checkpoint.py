@@ -25,6 +25,9 @@ resume from (the same choice as ``lit-dist export``).
   optimizer, schedulers, loop counters and the data position, so a resumed run is the same run.
 - ``ckpt_path: auto`` (the CLI default) resumes from the newest checkpoint whose files match its
   manifest; damaged ones are reported and skipped.
+- On an object store, every upload, listing, marker and deletion waits out an outage of the store
+  for up to ``outage_deadline_s``; past it, every rank ends with exit 17 ("retry later") and one line
+  naming what it was doing.
 
 Events: ``checkpoint.saved`` through the run control's publisher (step, epoch, path, bytes, seconds).
 
@@ -57,6 +60,7 @@ from lit_dist.ckpt.store import PROBE, STATE, CheckpointStore
 from lit_dist.control import Agreed, Event, RunControl
 from lit_dist.distributed import all_gather_object
 from lit_dist.errors import CheckpointError, ConfigError
+from lit_dist.outage import DEADLINE_S, StoreUnreachable
 from lit_dist.run import RUN_ID_ENV, process_age_s
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,7 @@ class Checkpointing(Checkpoint):
         async_save: bool = False,
         verify_checksums: bool = True,
         storage_options: dict | None = None,
+        outage_deadline_s: float = DEADLINE_S,
     ):
         """Checkpoint settings.
 
@@ -95,6 +100,7 @@ class Checkpointing(Checkpoint):
             async_save: Write checkpoints on a background thread after a quick copy of the state (DDP and single device).
             verify_checksums: Check every file's sha256 against the manifest before resuming (not just its size).
             storage_options: fsspec options for a remote dirpath (endpoint_url, region...); credentials come from the environment.
+            outage_deadline_s: Seconds to wait out an object store that does not answer (each upload, listing, deletion) before exit 17.
         """
         problems = []
         if keep_last_n < 2:
@@ -108,6 +114,8 @@ class Checkpointing(Checkpoint):
             problems.append(f"checkpoint.mode: {mode!r} must be 'min' or 'max'")
         if keep_best_k < 0:
             problems.append(f"checkpoint.keep_best_k: {keep_best_k} must be 0 or more")
+        if outage_deadline_s <= 0:
+            problems.append(f"checkpoint.outage_deadline_s: {outage_deadline_s} must be positive (seconds)")
         ConfigError.collect(problems)
         self.dirpath = dirpath
         self.every_n_steps = every_n_steps
@@ -121,9 +129,10 @@ class Checkpointing(Checkpoint):
         self.async_save = async_save
         self.verify_checksums = verify_checksums
         self.storage_options = storage_options or {}
+        self.outage_deadline_s = outage_deadline_s
         self.resumed_from: str | None = None  # never deleted by rotation
         self._store: CheckpointStore | None = None
-        self._io = AtomicCheckpointIO(self.storage_options)
+        self._io = AtomicCheckpointIO(self.storage_options, outage_deadline_s)
         self._saver: Saver | None = None
         self._last_seen_step = -1
         self._rng: list | None = None
@@ -154,7 +163,7 @@ class Checkpointing(Checkpoint):
             run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
             run_id = os.environ.get(RUN_ID_ENV) or os.path.basename(os.path.normpath(run_dir))
             url = self.dirpath.format(run_dir=run_dir, run_id=run_id)
-            self._store = CheckpointStore(url, self.storage_options)
+            self._store = CheckpointStore(url, self.storage_options, self.outage_deadline_s)
         return self._store
 
     def saver(self, trainer) -> Saver:
@@ -203,7 +212,7 @@ class Checkpointing(Checkpoint):
 
     def _explicit(self, ckpt_path: str, own: CheckpointStore | None) -> str:
         """A lit-dist checkpoint folder (or its state.ckpt) is verified first; anything else goes to Lightning as is."""
-        choice = resume.explicit(ckpt_path, self.storage_options, self.verify_checksums)
+        choice = resume.explicit(ckpt_path, self.storage_options, self.verify_checksums, self.outage_deadline_s)
         if choice is None:
             return ckpt_path
         if choice.name is None:
@@ -237,38 +246,62 @@ class Checkpointing(Checkpoint):
             return
         token = trainer.strategy.broadcast(uuid.uuid4().hex) if trainer.world_size > 1 else ""
         probe = store.path(f"{PROBE}{token}")
-        unwritable = None
+        store.who = self._io.who = f"rank {trainer.global_rank}: " if trainer.world_size > 1 else ""
+        unwritable = unreachable = None
         if trainer.is_global_zero:
             try:  # caught: the other ranks must still reach the agreement below, not wait for rank 0 forever
-                store.fs.makedirs(store.root, exist_ok=True)
+                store.remote(lambda: store.fs.makedirs(store.root, exist_ok=True), "making", f"the checkpoint folder {store.url}")
                 for leftover in store.clean():
                     log.info("lit-dist: removed %s, left by an interrupted save", leftover)
                 if trainer.world_size > 1:
-                    write_bytes_atomically(store.fs, probe, token.encode())
+                    store.remote(lambda: write_bytes_atomically(store.fs, probe, token.encode()), "writing",
+                                 store.url_of(f"{PROBE}{token}"))
             except OSError as exc:
                 unwritable = f"{type(exc).__name__}: {exc}"
+            except StoreUnreachable as exc:
+                unreachable = exc
         if trainer.world_size > 1:
-            self._check_shared(trainer, probe, token, unwritable)
+            self._check_shared(trainer, probe, token, unwritable, unreachable)
+        elif unreachable:
+            raise unreachable
         elif unwritable:
             raise ConfigError(f"checkpoint.dirpath: cannot write to {store.url} ({unwritable})")
         self.saver(trainer).last_save_time = time.monotonic()
 
-    def _check_shared(self, trainer, probe: str, token: str, unwritable: str | None) -> None:
-        """Every rank must see what rank 0 wrote, and resume from the same checkpoint; else fail before training."""
+    def _check_shared(self, trainer, probe: str, token: str, unwritable: str | None,
+                      unreachable: StoreUnreachable | None) -> None:
+        """Every rank must see what rank 0 wrote, and resume from the same checkpoint; else fail before training.
+        An object store that stays away ends every rank with the same line (exit 17), rank 0's or the first reader's."""
         store = self._store
-        trainer.strategy.barrier("lit-dist-checkpoint-probe")
-        try:
+        # Also the barrier that keeps the other ranks from looking before rank 0 wrote the probe.
+        if gone := trainer.strategy.broadcast(str(unreachable) if unreachable else None):
+            raise StoreUnreachable(gone) from unreachable
+        lost = None
+
+        def read() -> bool:
             with store.fs.open(probe, "rb") as f:
-                sees = f.read().decode() == token
+                return f.read().decode() == token
+
+        try:
+            sees = store.remote(read, "reading", store.url_of(f"{PROBE}{token}"))
         except OSError:
             sees = False
+        except StoreUnreachable as exc:
+            sees, lost = False, str(exc)
         reports = all_gather_object(trainer, (trainer.global_rank, socket.gethostname(), sees, self.resumed_from,
-                                              unwritable, store.url))
+                                              unwritable, store.url, lost))
+        if gone := next((report[6] for report in reports if report[6]), None):
+            raise StoreUnreachable(gone)
         if trainer.is_global_zero and not unwritable:
-            store.fs.rm(probe)
+            try:
+                store.remote(lambda: store.fs.rm(probe), "deleting", store.url_of(f"{PROBE}{token}"))
+            except StoreUnreachable as exc:
+                lost = str(exc)
+        if gone := trainer.strategy.broadcast(lost if trainer.is_global_zero else None):
+            raise StoreUnreachable(gone)
         if problem := reports[0][4]:
             raise ConfigError(f"checkpoint.dirpath: rank 0 cannot write to {store.url} ({problem})")
-        if len({url for *_, url in reports}) > 1:
+        if len({report[5] for report in reports}) > 1:
             raise ConfigError(
                 "the processes of this run chose different run directories ("
                 + ", ".join(f"rank {r[0]}: {r[5]}" for r in reports[:4]) + (", ..." if len(reports) > 4 else "")

@@ -7,7 +7,10 @@ checkpoints on NFS or Lustre) the final step is a copy, and a kill during it lea
 at the final path.
 
 Object stores (``s3://...`` through fsspec): an object only becomes visible when its upload
-completes, so writing straight to the final key is already all-or-nothing.
+completes, so writing straight to the final key is already all-or-nothing, provided an upload that
+failed half-way is thrown away rather than closed (closing publishes what was written so far).
+Every remote operation of the checkpoint code goes through ``through_outage``: one upload, listing,
+read or deletion, retried whole through an outage of the store (``lit_dist.outage``).
 """
 
 import ctypes
@@ -17,10 +20,15 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
+
+from lit_dist import outage
+
+T = TypeVar("T")
 
 _HASH_IN_PARALLEL_BYTES = 1 << 20  # smaller writes are hashed inline: a thread hand-off costs more
 _WRITEBACK_EVERY_BYTES = 64 << 20
@@ -42,6 +50,17 @@ def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.Ab
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
+
+
+def through_outage(fs: fsspec.AbstractFileSystem, operation: Callable[[], T], verb: str, what: str,
+                   deadline_s: float = outage.DEADLINE_S, who: str = "") -> T:
+    """``operation()``: once on a local filesystem; on an object store, retried through an outage for up to
+    ``deadline_s`` seconds from its first failure, then ``StoreUnreachable`` (exit 17) saying "``verb`` ``what``".
+    ``operation`` must be idempotent as a whole (one upload, listing, read or deletion): it may run again after
+    any part of it ran."""
+    if is_local(fs):
+        return operation()
+    return outage.call(operation, what, deadline_s, who, verb=verb, knob="checkpoint.outage_deadline_s")
 
 
 def _sync_file_range():
@@ -130,9 +149,16 @@ def fsync_dir(path: str) -> None:
 def write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[HashingWriter], None]) -> FileEntry:
     """Call ``write(file)`` so that ``path`` ends up complete or absent; returns its size and sha256."""
     if not is_local(fs):
-        with fs.open(path, "wb") as f:
+        f = fs.open(path, "wb")
+        uploaded = False
+        try:
             writer = HashingWriter(f)
             write(writer)
+            f.close()  # completes the upload: the object appears, whole, at its key
+            uploaded = True
+        finally:
+            if not uploaded:
+                _throw_away(f)
         return writer.entry()
     folder, name = os.path.split(path)
     os.makedirs(folder, exist_ok=True)
@@ -151,6 +177,17 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[
             os.unlink(tmp)
     fsync_dir(folder)
     return writer.entry()
+
+
+def _throw_away(f) -> None:
+    """Abandon an upload that failed half-way. fsspec's ``__exit__`` (and the garbage collector) would close the
+    file, and closing completes the upload with the parts written so far: a truncated object at the final key."""
+    if not isinstance(f, AbstractBufferedFile) or f.closed:
+        return  # not a buffered upload, or the failure was in completing it (nothing was published)
+    f.closed = True  # never completed later
+    # s3fs aborts the multipart upload. If that fails too (the store is away), the error is raised with the
+    # write's as its context; the parts stay invisible until the bucket's lifecycle rule removes them.
+    f.discard()
 
 
 def write_bytes_atomically(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> FileEntry:

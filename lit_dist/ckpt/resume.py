@@ -12,6 +12,7 @@
 
 from dataclasses import dataclass, field
 
+from lit_dist import outage
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore
 
 
@@ -48,14 +49,15 @@ def newest_usable(store: CheckpointStore, verify_checksums: bool = True) -> Choi
     return Choice(store, name, skipped, [(n, p) for n, p in skipped if n in complete])
 
 
-def explicit(path: str, storage_options: dict | None = None, verify_checksums: bool = True) -> Choice | None:
+def explicit(path: str, storage_options: dict | None = None, verify_checksums: bool = True,
+             outage_deadline_s: float = outage.DEADLINE_S) -> Choice | None:
     """A lit-dist checkpoint folder named by the user (or its ``state.ckpt``), verified; None when ``path``
     is not a lit-dist checkpoint folder. ``Choice.damaged`` names its problem when it is unusable."""
     path = path.rstrip("/")
     folder = path.rsplit("/", 1)[0] if path.endswith("/" + STATE) else path
     parent, _, name = folder.rpartition("/")
-    store = CheckpointStore(parent or ".", storage_options)
-    if not store.fs.exists(store.path(name, MARKER)):
+    store = CheckpointStore(parent or ".", storage_options, outage_deadline_s)
+    if not store.remote(lambda: store.fs.exists(store.path(name, MARKER)), "reading", f"checkpoint {folder}"):
         return None
     problem = store.problem(name, verify_checksums)
     return Choice(store, None, [(name, problem)], [(name, problem)]) if problem else Choice(store, name)

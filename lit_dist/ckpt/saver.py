@@ -9,6 +9,9 @@ asynchronous variant. The ``Checkpointing`` callback decides when; this decides 
   same collectives in the same order on the error path too. A failed save is removed at once; a full
   disk is one line with what to do (``StorageFull``, exit 16, see ``lit_dist.ckpt.space``), and rank 0
   warns once, after a save, when fewer than two more checkpoints fit.
+- On an object store, each upload, listing and deletion waits out an outage of the store (the store's
+  ``outage_deadline_s``); past it the save fails with ``StoreUnreachable`` and every rank ends with exit 17,
+  whether the save was synchronous or on the background thread (then at the next save or the end of fit).
 - ``async_save``: a quick copy of the state (``Snapshot``), then the write on a thread; the next save
   (or the end of the run) waits for it and agrees on its outcome.
 - After a save, rotation keeps the newest ``keep_last_n``, the best ``keep_best_k`` by ``monitor`` and
@@ -42,6 +45,7 @@ from lit_dist.ckpt.space import (
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.distributed import agree_any, all_gather_object
 from lit_dist.errors import CheckpointError, StorageFull
+from lit_dist.outage import StoreUnreachable
 from lit_dist.run import RUN_ID_ENV
 
 log = logging.getLogger(__name__)
@@ -85,8 +89,14 @@ class Saver:
         name = checkpoint_name(step)
         self.wait_for_save(trainer)
         if step == self.last_saved_step:
-            if metric and trainer.is_global_zero:
-                store.set_metric(name, metric)  # validation right after a step save: same weights
+            if metric:  # validation right after a step save: same weights, the value goes into its marker
+                error = None
+                if trainer.is_global_zero:
+                    try:
+                        store.set_metric(name, metric)
+                    except (OSError, StoreUnreachable) as exc:
+                        error = exc
+                self._agree_saved(trainer, name, error)
             return store.url_of(name)
         self.last_saved_step = step
         self.last_save_time = time.monotonic()
@@ -162,8 +172,9 @@ class Saver:
             if trainer.is_global_zero and not files and error is None:  # a CheckpointIO of the user's own wrote it
                 path = target if store.local else store.path(name, STATE)
                 try:
-                    files = {STATE: hash_file(store.fs, path, fsync=True)}
-                except OSError as exc:
+                    files = {STATE: store.remote(lambda: hash_file(store.fs, path, fsync=True), "saving",
+                                                 store.saving(name))}
+                except (OSError, StoreUnreachable) as exc:
                     error = exc
             return files, error
         if not began:  # agreed: no rank wrote anything
@@ -248,7 +259,8 @@ class Saver:
         store, facts = self.store, None
         if trainer.is_global_zero:
             store.abandon(name)  # no rank writes any more: all of them are here
-            facts = (room(store.root) if store.local else None, *self._newest())
+            # For a full disk's message; an object store is not listed again (it may be the store that failed).
+            facts = (room(store.root), *self._newest()) if store.local else (None, "", None)
         everyone = all_gather_object(trainer, (_described(error), facts, self._state_bytes))
         self._raise(trainer, name, error, everyone)
 
@@ -263,7 +275,8 @@ class Saver:
 
     def _raise(self, trainer, name: str, error: BaseException | None, everyone: list) -> None:
         """The same outcome on every rank, in order of what the user can act on: a full disk (exit 16, one line),
-        another storage error (exit 1, one line). A bug is raised unchanged, traceback and all, on its rank."""
+        an object store that did not answer (exit 17, one line), another storage error (exit 1, one line). A bug is
+        raised unchanged, traceback and all, on its rank."""
         failed = [(rank, described) for rank, (described, *_) in enumerate(everyone) if described is not None]
         if error is not None and _described(error)[0] == "bug":
             raise error
@@ -274,6 +287,10 @@ class Saver:
                         else sum(state for *_, state in everyone))
             raise StorageFull(full_message(name, self.store.url, full[1], here, newest_bytes or estimate, newest,
                                            os.environ.get(RUN_ID_ENV), estimated=not newest_bytes)) from error
+        if (text := next((text for _, (kind, text) in failed if kind == "unreachable"), None)) is not None:
+            if isinstance(error, StoreUnreachable):
+                raise error
+            raise StoreUnreachable(text) from error
         rank, (kind, text) = next(((r, d) for r, d in failed if d[0] == "storage"), failed[0])
         where = f" on rank {rank}" if trainer.world_size > 1 else ""
         if kind == "storage":
@@ -283,10 +300,12 @@ class Saver:
 
 def _described(error: BaseException | None) -> tuple[str, str] | None:
     """(kind, text) of a save's error for the other ranks: "full" (no space, no inodes, over quota: the
-    strerror), "storage" (another OSError, also one held by torch.distributed.checkpoint's CheckpointException)
-    or "bug" (anything else)."""
+    strerror), "unreachable" (an object store outage past its deadline: the whole line), "storage" (another
+    OSError, also one held by torch.distributed.checkpoint's CheckpointException) or "bug" (anything else)."""
     if error is None:
         return None
+    if isinstance(error, StoreUnreachable):
+        return "unreachable", str(error)
     if (full := full_error(error)) is not None:
         return "full", os.strerror(full.errno)
     if isinstance(error, OSError | CheckpointException) and (found := os_errors(error)):

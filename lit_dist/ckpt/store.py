@@ -10,7 +10,10 @@
       .partial-step-000001800/   being written (local filesystems), renamed to step-... when complete
 
 On an object store there is no rename: objects are uploaded to their final keys, the marker last,
-and a folder without a marker is an interrupted save.
+and a folder without a marker is an interrupted save. Every request to the store (an upload, a listing,
+a marker read, a deletion) is retried on its own through an outage of the store, up to
+``outage_deadline_s`` (``lit_dist.ckpt.files.through_outage``); past it, ``StoreUnreachable`` (exit 17)
+names what was being done.
 """
 
 import json
@@ -19,10 +22,21 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from typing import TypeVar
 
-from lit_dist.ckpt.files import FileEntry, filesystem, fsync_dir, hash_file, is_local, write_bytes_atomically
+from lit_dist import outage
+from lit_dist.ckpt.files import (
+    FileEntry,
+    filesystem,
+    fsync_dir,
+    hash_file,
+    is_local,
+    through_outage,
+    write_bytes_atomically,
+)
 
 MARKER = "COMPLETE.json"
 STATE = "state.ckpt"
@@ -34,6 +48,7 @@ PROBE = ".probe-"  # written by rank 0 at the start, read by every rank: is the 
 FORMAT = 1
 _DELETER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-delete")
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def checkpoint_name(step: int) -> str:
@@ -43,11 +58,21 @@ def checkpoint_name(step: int) -> str:
 class CheckpointStore:
     """Lists, validates, finishes and deletes the checkpoints under ``url`` (local path or fsspec URL)."""
 
-    def __init__(self, url: str, storage_options: dict | None = None):
+    def __init__(self, url: str, storage_options: dict | None = None, outage_deadline_s: float = outage.DEADLINE_S):
         self.url = url.rstrip("/")
         self.fs, self.root = filesystem(self.url, storage_options)
         self.local = is_local(self.fs)
+        self.outage_deadline_s = outage_deadline_s
+        self.who = ""  # starts the line of an outage ("rank 0: "), once the rank is known
         self._manifests: dict[str, dict] = {}  # complete checkpoints never change (but for their metric)
+
+    def remote(self, operation: Callable[[], T], verb: str, what: str) -> T:
+        """``operation()``, retried through an outage of an object store (one idempotent request or upload)."""
+        return through_outage(self.fs, operation, verb, what, self.outage_deadline_s, self.who)
+
+    def saving(self, name: str) -> str:
+        """What a save of checkpoint ``name`` is, in an outage's message: "step 12 to s3://b/ckpt/step-000000012"."""
+        return f"step {int(name[len(PREFIX):])} to {self.url_of(name)}"
 
     # -- paths --------------------------------------------------------------------------------
 
@@ -71,7 +96,7 @@ class CheckpointStore:
         if self.local:
             self._remove_tree(self.staging(name))
             os.makedirs(self.staging(name), exist_ok=True)
-        elif self.fs.exists(self.path(name, MARKER)):
+        elif self.remote(lambda: self.fs.exists(self.path(name, MARKER)), "saving", self.saving(name)):
             self.delete(name)  # the same step saved again (a rerun): never mix old and new objects
 
     def finish(self, name: str, files: dict[str, FileEntry], info: dict) -> dict:
@@ -79,7 +104,7 @@ class CheckpointStore:
         manifest = {"format": FORMAT, **info, "created": time.time(),
                     "files": {rel: asdict(entry) for rel, entry in sorted(files.items())}}
         staging = self.staging(name)
-        self._write_marker(staging, manifest)
+        self.remote(lambda: self._write_marker(staging, manifest), "saving", f"{self.saving(name)} (its {MARKER})")
         if self.local:
             final = self.path(name)
             if os.path.exists(final):
@@ -87,7 +112,8 @@ class CheckpointStore:
             os.replace(staging, final)
             fsync_dir(self.root)
         self._manifests[name] = manifest
-        write_bytes_atomically(self.fs, self.path(LATEST), (name + "\n").encode())
+        self.remote(lambda: write_bytes_atomically(self.fs, self.path(LATEST), (name + "\n").encode()), "saving",
+                    f"{self.saving(name)} (the {LATEST} marker)")
         return manifest
 
     def abandon(self, name: str) -> None:
@@ -110,7 +136,8 @@ class CheckpointStore:
     def set_metric(self, name: str, metric: dict) -> None:
         """Record a monitored value in a complete checkpoint's marker (rewritten atomically)."""
         manifest = dict(self.manifest(name), metric=metric)
-        self._write_marker(self.path(name), manifest)
+        self.remote(lambda: self._write_marker(self.path(name), manifest), "saving",
+                    f"{self.saving(name)} (its {MARKER}, with {metric.get('name')})")
         self._manifests[name] = manifest
 
     def _write_marker(self, folder: str, manifest: dict) -> None:
@@ -126,22 +153,27 @@ class CheckpointStore:
 
     def names(self) -> list[str]:
         """Every checkpoint folder (complete or not), newest first."""
-        if not self._fresh():
-            return []
-        found = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+        def listing() -> list[str]:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)] if self._fresh() else []
+
+        found = self.remote(listing, "listing", f"the checkpoints in {self.url}")
         return sorted((n for n in found if n.startswith(PREFIX)), reverse=True)
 
     def complete(self) -> list[str]:
         """Checkpoints whose marker exists, newest first (not verified)."""
-        if not self._fresh():
-            return []
-        markers = self.fs.glob(self.path(f"{PREFIX}*", MARKER))
-        return sorted((m.rstrip("/").rsplit("/", 2)[-2] for m in markers), reverse=True)
+        def markers() -> list[str]:
+            return self.fs.glob(self.path(f"{PREFIX}*", MARKER)) if self._fresh() else []
+
+        found = self.remote(markers, "listing", f"the checkpoints in {self.url}")
+        return sorted((m.rstrip("/").rsplit("/", 2)[-2] for m in found), reverse=True)
 
     def manifest(self, name: str) -> dict:
         if name not in self._manifests:
-            with self.fs.open(self.path(name, MARKER), "rb") as f:
-                self._manifests[name] = json.loads(f.read())
+            def read() -> bytes:
+                with self.fs.open(self.path(name, MARKER), "rb") as f:
+                    return f.read()
+
+            self._manifests[name] = json.loads(self.remote(read, "reading", f"checkpoint {self.url_of(name)}"))
         return self._manifests[name]
 
     def problem(self, name: str, verify_checksums: bool = True) -> str | None:
@@ -156,17 +188,20 @@ class CheckpointStore:
             return f"no {MARKER} (the save did not finish)"
         except (ValueError, KeyError, TypeError) as exc:
             return f"its {MARKER} is unreadable ({exc})"
+        reading = f"checkpoint {self.url_of(name)}"
         for rel, expected in files.items():
             path = self.path(name, rel)
             try:
-                size = self.fs.size(path)
+                size = self.remote(lambda path=path: self.fs.size(path), "reading", reading)
             except FileNotFoundError:
                 return f"{rel} is missing"
             if size != expected.size:
                 return f"{rel} has {size} bytes, the manifest says {expected.size} (truncated or overwritten)"
         if verify_checksums:
             with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:  # hashlib releases the GIL
-                actual = dict(zip(files, pool.map(lambda rel: hash_file(self.fs, self.path(name, rel)), files), strict=True))
+                hashed = pool.map(lambda rel: self.remote(lambda: hash_file(self.fs, self.path(name, rel)), "reading", reading),
+                                  files)
+                actual = dict(zip(files, hashed, strict=True))
             for rel, expected in files.items():
                 if actual[rel].sha256 != expected.sha256:
                     return f"{rel} does not match its sha256 (corrupted)"
@@ -190,14 +225,16 @@ class CheckpointStore:
         if self.local:
             self._remove_tree(self.path(name))
             return
-        if self.fs.exists(self.path(name, MARKER)):
-            self.fs.rm(self.path(name, MARKER))  # marker first: what remains is visibly incomplete
-        if self.fs.exists(self.path(name)):
-            self.fs.rm(self.path(name), recursive=True)
+        marker, folder = self.path(name, MARKER), self.path(name)
+        # Two requests, each retried alone: repeating either after it worked changes nothing.
+        self.remote(lambda: self.fs.exists(marker) and self.fs.rm(marker), "deleting",
+                    f"checkpoint {self.url_of(name)}")  # marker first: what remains is visibly incomplete
+        self.remote(lambda: self.fs.exists(folder) and self.fs.rm(folder, recursive=True), "deleting",
+                    f"checkpoint {self.url_of(name)}")
 
     def clean(self) -> list[str]:
         """Remove what interrupted saves and deletions left behind; call when nothing is being written."""
-        if not self.fs.exists(self.root):
+        if not self.remote(lambda: self.fs.exists(self.root), "listing", f"the checkpoints in {self.url}"):
             return []
         removed = []
         if self.local:
