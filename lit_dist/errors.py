@@ -21,7 +21,7 @@ class ExitCode(IntEnum):
     PREFLIGHT = 14  # the preflight measured a rank or node below preflight.min_fraction of the median
     PROCESS_DIED = 15  # a rank or a data loader worker died (a signal, e.g. the out-of-memory killer): resume the run
     STORAGE_FULL = 16  # local storage is full: free space or move the run dir, then resume
-    STORE_UNREACHABLE = 17  # the object store did not answer for data.outage_deadline_s: retry the job later, as is
+    STORE_UNREACHABLE = 17  # the object store did not answer for data. or checkpoint.outage_deadline_s: retry later, as is
 
 
 class LitDistError(Exception):
