@@ -53,7 +53,7 @@ def start(tmp_path, demo_data, url, proxy, run_id, *extra):
             "--data.batch_size_per_device", "8", "--trainer.max_steps", "20", "--trainer.limit_val_batches", "0",
             "--trainer.enable_progress_bar", "false", "--run.root_dir", str(tmp_path), "--run.run_id", run_id,
             "--export.filename", "null", "--checkpoint.dirpath", f"{url}/{{run_id}}", "--checkpoint.every_n_steps", "10",
-            "--checkpoint.storage_options", json.dumps({"client_kwargs": {"endpoint_url": proxy.url}}), *extra]
+            "--checkpoint.storage_options", json.dumps({"client_kwargs": {"endpoint_url": proxy.url}, **QUICK}), *extra]
     return subprocess.Popen([sys.executable, "-m", "lit_dist", *args], cwd=REPO, env={**os.environ, **ENV}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 

@@ -19,6 +19,9 @@ from tests.helpers.processes import left_after
 from tests.helpers.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
+# One attempt per request, short timeouts: botocore's own retries (about 5 s against a refused connection) would
+# only lengthen every wait; what is tested is lit-dist's wait, which comes on top of whatever the client does.
+QUICK = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5}}
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
        "PYTHONFAULTHANDLER": "1"}
 
@@ -36,7 +39,7 @@ def start(tmp_path, url, proxy, run_id, *extra):
     """A quickstart fit reading its table and images through the proxy, in a session of its own."""
     args = ["fit", "--config", str(CONFIGS / "quickstart.yaml"), "--data.metadata", f"{url}/metadata.parquet",
             "--data.create_demo_if_missing", "false",
-            "--data.storage_options", json.dumps({"client_kwargs": {"endpoint_url": proxy.url}}),
+            "--data.storage_options", json.dumps({"client_kwargs": {"endpoint_url": proxy.url}, **QUICK}),
             "--data.batch_size_per_device", "8", "--data.num_workers", "1", "--trainer.max_steps", "30",
             "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false", "--run.root_dir", str(tmp_path),
             "--run.run_id", run_id, "--export.filename", "null",
@@ -118,7 +121,7 @@ def test_a_cache_on_s3_waits_out_an_outage_and_then_says_retry_later(s3, demo_da
 
     try:
         module("build", {"client_kwargs": {"endpoint_url": s3.endpoint}})
-        view = module("read", {"client_kwargs": {"endpoint_url": proxy.url}})
+        view = module("read", {"client_kwargs": {"endpoint_url": proxy.url}, **QUICK})
         assert view.outage_deadline_s == 180.0  # the data module's deadline reached the cache's reader
         expected = view.read(17)
         proxy.cut()
