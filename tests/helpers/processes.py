@@ -39,3 +39,19 @@ def left_after(sid: int, bound_s: float) -> dict[int, str]:
         except ProcessLookupError:
             pass
     return left
+
+
+def finish(proc, timeout: float = 300):
+    """(return code, stdout, stderr) of a run started in its own session; on a hang its whole session is killed
+    and the test fails with the end of its stderr."""
+    import subprocess
+
+    import pytest
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the run hung:\n{err[-5000:]}")
+    return proc.returncode, out, err

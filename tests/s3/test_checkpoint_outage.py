@@ -7,7 +7,6 @@ what it was doing, leaves no checkpoint that passes for complete, and no process
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
 from lit_dist.outage import StoreUnreachable
 from tests.conftest import CONFIGS, REPO
-from tests.helpers.processes import left_after
+from tests.helpers.processes import finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.s3
@@ -72,16 +71,6 @@ def wait_for(marker, proc):
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), f"the run never reached step 9:\n{proc.communicate()[1][-3000:]}"
-
-
-def finish(proc, timeout=300):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the run hung:\n{err[-5000:]}")
-    return proc.returncode, out, err
 
 
 @pytest.mark.slow

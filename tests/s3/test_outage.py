@@ -5,7 +5,6 @@ nothing of the run is left."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 
 from lit_dist.errors import ExitCode
 from tests.conftest import CONFIGS, REPO
-from tests.helpers.processes import left_after
+from tests.helpers.processes import finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
@@ -46,16 +45,6 @@ def start(tmp_path, url, proxy, run_id, *extra):
             "--trainer.callbacks+=tests.helpers.recorder.RowRecorder", *extra]
     return subprocess.Popen([sys.executable, "-m", "lit_dist", *args], cwd=REPO, env={**os.environ, **ENV}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-
-
-def finish(proc, timeout=240):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the run hung:\n{err[-5000:]}")
-    return proc.returncode, out, err
 
 
 def test_a_short_outage_costs_its_length_and_no_sample_is_substituted(tmp_path, proxied):
