@@ -18,6 +18,7 @@ asynchronous variant. The ``Checkpointing`` callback decides when; this decides 
   the checkpoint the run resumed from; ``checkpoint.saved`` is published.
 """
 
+import errno
 import logging
 import os
 import time
@@ -39,6 +40,7 @@ from lit_dist.ckpt.space import (
     low_room_warning,
     os_errors,
     room,
+    short_write,
     state_bytes,
     too_little,
 )
@@ -257,12 +259,14 @@ class Saver:
         if not agree_any(trainer, error is not None):
             return
         store, facts = self.store, None
+        # Before rank 0 removes the partial save: whether the disk is full is read from the room left on it.
+        described = _described(error, self._state_bytes, store.root if store.local else None)
         if trainer.is_global_zero:
             store.abandon(name)  # no rank writes any more: all of them are here
             # For a full disk's message; an object store is not listed again (it may be the store that failed).
             facts = (room(store.root), *self._newest()) if store.local else (None, "", None)
-        everyone = all_gather_object(trainer, (_described(error), facts, self._state_bytes))
-        self._raise(trainer, name, error, everyone)
+        everyone = all_gather_object(trainer, (described, facts, self._state_bytes))
+        self._raise(trainer, name, error, described, everyone)
 
     def _newest(self) -> tuple[str | None, int | None]:
         """(the newest complete checkpoint or None, its size), for the message of a failed save; ("", None) where
@@ -273,12 +277,13 @@ class Saver:
         except (OSError, ValueError, KeyError, TypeError):  # unreadable or damaged marker (see CheckpointStore.problem)
             return "", None
 
-    def _raise(self, trainer, name: str, error: BaseException | None, everyone: list) -> None:
+    def _raise(self, trainer, name: str, error: BaseException | None, described: tuple[str, str] | None,
+               everyone: list) -> None:
         """The same outcome on every rank, in order of what the user can act on: a full disk (exit 16, one line),
         an object store that did not answer (exit 17, one line), another storage error (exit 1, one line). A bug is
-        raised unchanged, traceback and all, on its rank."""
-        failed = [(rank, described) for rank, (described, *_) in enumerate(everyone) if described is not None]
-        if error is not None and _described(error)[0] == "bug":
+        raised unchanged, traceback and all, on its rank (``described``: this rank's ``_described``)."""
+        failed = [(rank, theirs) for rank, (theirs, *_) in enumerate(everyone) if theirs is not None]
+        if described is not None and described[0] == "bug":
             raise error
         here, newest, newest_bytes = everyone[0][1]
         full = next(((rank, text) for rank, (kind, text) in failed if kind == "full"), None)
@@ -298,16 +303,22 @@ class Saver:
         raise RuntimeError(f"saving checkpoint {name} failed{where} (its traceback is in that rank's log): {text}")
 
 
-def _described(error: BaseException | None) -> tuple[str, str] | None:
+def _described(error: BaseException | None, rank_bytes: int = 0, folder: str | None = None) -> tuple[str, str] | None:
     """(kind, text) of a save's error for the other ranks: "full" (no space, no inodes, over quota: the
-    strerror), "unreachable" (an object store outage past its deadline: the whole line), "storage" (another
-    OSError, also one held by torch.distributed.checkpoint's CheckpointException) or "bug" (anything else)."""
+    strerror; or a short write while ``folder``'s filesystem has less room than this rank's ``rank_bytes``),
+    "unreachable" (an object store outage past its deadline: the whole line), "storage" (another OSError, also
+    one held by torch.distributed.checkpoint's CheckpointException, or a short write) or "bug" (anything else)."""
     if error is None:
         return None
     if isinstance(error, StoreUnreachable):
         return "unreachable", str(error)
     if (full := full_error(error)) is not None:
         return "full", os.strerror(full.errno)
+    if (short := short_write(error)) is not None:
+        here = room(folder) if folder else None
+        if here is not None and here.free_bytes < rank_bytes:
+            return "full", os.strerror(errno.ENOSPC)
+        return "storage", f"a write stopped short ({str(short).splitlines()[0]})"
     if isinstance(error, OSError | CheckpointException) and (found := os_errors(error)):
         return "storage", f"{type(found[0]).__name__}: {found[0]}"
     return "bug", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

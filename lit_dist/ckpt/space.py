@@ -28,28 +28,38 @@ def size_text(n: float) -> str:
     return f"{n:.0f} {unit}" if unit in ("bytes", "KB") or n >= 100 else f"{n:.1f} {unit}"
 
 
-def os_errors(exc: BaseException | None) -> list[OSError]:
-    """The OSErrors in ``exc``, its causes and contexts, and the per-rank failures of a
-    ``torch.distributed.checkpoint`` ``CheckpointException`` (how a sharded save reports a rank's write)."""
-    found, todo, seen = [], [exc], set()
+def _chain(exc: BaseException | None):
+    """``exc``, its causes and contexts, and the per-rank failures of a ``torch.distributed.checkpoint``
+    ``CheckpointException`` (how a sharded save reports a rank's write), each once."""
+    todo, seen = [exc], set()
     while todo:
         exc = todo.pop(0)
         if exc is None or id(exc) in seen:
             continue
         seen.add(id(exc))
-        if isinstance(exc, OSError):
-            found.append(exc)
+        yield exc
         todo += [exc.__cause__, exc.__context__]
         failures = getattr(exc, "failures", None)
         if isinstance(failures, dict):
             for failure in failures.values():  # (exception, traceback summary) per rank
                 todo.append(failure[0] if isinstance(failure, tuple) else failure)
-    return found
+
+
+def os_errors(exc: BaseException | None) -> list[OSError]:
+    """The OSErrors in ``exc``'s chain (see ``_chain``)."""
+    return [e for e in _chain(exc) if isinstance(e, OSError)]
 
 
 def full_error(exc: BaseException | None) -> OSError | None:
     """The 'no space' / 'quota exceeded' error that ``exc`` is or holds, else None."""
     return next((e for e in os_errors(exc) if e.errno in FULL_ERRNOS), None)
+
+
+def short_write(exc: BaseException | None) -> RuntimeError | None:
+    """torch's zip writer's error for a write that stored fewer bytes than it was given ("unexpected pos"), in
+    ``exc``'s chain, else None. A full disk makes it: the OSError it follows is its ``__context__`` only on the
+    rank that wrote; ``torch.distributed.checkpoint`` pickles a rank's failure for every rank, which drops it."""
+    return next((e for e in _chain(exc) if isinstance(e, RuntimeError) and "unexpected pos" in str(e)), None)
 
 
 def state_bytes(checkpoint: dict) -> int:

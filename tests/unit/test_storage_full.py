@@ -7,6 +7,7 @@ copy of its run directory on a bigger disk.
 """
 
 import errno
+import pickle
 import re
 import shutil
 import traceback
@@ -14,6 +15,7 @@ import traceback
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lit_dist.ckpt.saver import _described
 from lit_dist.ckpt.space import full_error, os_errors
 from lit_dist.ckpt.store import CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
@@ -86,3 +88,19 @@ def test_no_space_is_found_inside_a_sharded_save_failure_and_a_chain():
     other = OSError(errno.EACCES, "Permission denied")
     assert full_error(other) is None and os_errors(other) == [other]
     assert full_error(ValueError("a bug")) is None
+
+
+def test_a_short_write_that_dcp_reported_without_its_cause_counts_as_full_only_on_a_full_disk(small_fs, tmp_path):
+    # What rank 0 of an FSDP2 save got in CI: torch's zip writer's error for a short write, pickled by
+    # torch.distributed.checkpoint for every rank, which dropped the ENOSPC it followed.
+    short = raised(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+    dcp = pickle.loads(pickle.dumps(CheckpointException("save failed", {0: (short, None)})))
+    assert full_error(dcp) is None
+    full = small_fs("full", 64)
+    with pytest.raises(OSError) as filling:
+        (full / "filler").write_bytes(b"x" * 128 * 1024)
+    assert filling.value.errno == errno.ENOSPC
+    assert _described(dcp, 300_000, str(full)) == ("full", "No space left on device")
+    kind, text = _described(dcp, 300_000, str(tmp_path))
+    assert kind == "storage" and "unexpected pos 704 vs 598" in text, text
+    assert _described(RuntimeError("a bug"), 300_000, str(full))[0] == "bug"
