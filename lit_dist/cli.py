@@ -90,6 +90,30 @@ class LitDistCLI(LightningCLI):
             parser.set_defaults(ckpt_path="auto")
         return parser
 
+    def _parse_ckpt_path(self) -> None:
+        """The model's hyperparameters from an explicit ``--ckpt_path`` file, as Lightning's, but read the way a
+        resume reads the file (``lit_dist.ckpt.pickles``): Lightning's own ``torch.load(weights_only=True)``
+        made a refused type a traceback and ignored ``--weights_only false``. A refused type or a file that is
+        no checkpoint is one line (exit 3)."""
+        from pathlib import Path
+
+        from lit_dist.ckpt import pickles
+        from lit_dist.ckpt.io import TRUST
+
+        subcommand = self.config.get("subcommand")
+        arguments = self.config[subcommand] if subcommand else None
+        path = arguments.get("ckpt_path") if arguments else None
+        if not path or not Path(path).is_file():
+            return  # none, "auto", or a sharded checkpoint's folder: read when the run loads it
+        checkpoint = pickles.load(path, TRUST, trust=arguments.get("weights_only") is False)
+        hparams = dict(checkpoint.get("hyper_parameters") or {}) if isinstance(checkpoint, dict) else {}
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+
     def before_instantiate_classes(self) -> None:
         from jsonargparse import Namespace
 

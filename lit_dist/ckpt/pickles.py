@@ -24,6 +24,7 @@ trusts (``lit-dist export --trust_pickle``, ``lit-dist fit --weights_only false`
 import pickle
 import re
 import struct
+import zipfile
 from typing import Any
 
 import torch
@@ -67,7 +68,19 @@ def load(file, opt_in: str, *, trust: bool = False, allowed: list | tuple = (), 
                               f"not unpickle it. If you trust the file and where it came from: {opt_in}") from None
     except (KeyError, EOFError, RuntimeError) as exc:
         # What torch.load raises for a file that is no checkpoint (a text file, a truncated zip).
-        raise DataError(f"{where} cannot be read as a checkpoint: {type(exc).__name__}: {exc}") from exc
+        raise DataError(f"{where} cannot be read as a checkpoint: {_unreadable(file, exc)}") from exc
+
+
+def _unreadable(file, exc: BaseException) -> str:
+    """Why torch.load could not read ``file``, for a person: torch's own KeyError for a file that is neither a
+    zip archive nor a pickle is the value of its first byte ("KeyError: 104")."""
+    if isinstance(exc, KeyError):
+        try:
+            if not zipfile.is_zipfile(file):
+                return "it is not a file that torch.save writes (neither a zip archive nor a pickle)"
+        except OSError:
+            pass
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _refused(file, allowed, message: str) -> list[str]:

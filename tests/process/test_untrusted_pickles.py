@@ -94,7 +94,7 @@ def test_resuming_from_a_checkpoint_that_would_run_code_needs_weights_only_false
     marker = tmp_path / "marker"
     folder = sorted((run / "checkpoints").glob("step-*"))[-1]
     state = torch.load(folder / STATE, weights_only=True)
-    state["hyper_parameters"]["planted"] = Planted(marker)
+    state["planted"] = Planted(marker)
     torch.save(state, folder / STATE)
     manifest = json.loads((folder / MARKER).read_text())
     data = (folder / STATE).read_bytes()
@@ -108,5 +108,20 @@ def test_resuming_from_a_checkpoint_that_would_run_code_needs_weights_only_false
     assert not marker.exists(), "the planted object ran"
 
     out, _ = fit(tmp_path, demo_data, "run", "--trainer.max_steps", "5", "--weights_only", "false")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert marker.exists(), "trusted, the file is a full pickle"
+
+    # The same file sent by someone, given explicitly: Lightning reads its hyperparameters before anything
+    # else, with a torch.load of its own that had no opt-in and made the refusal a traceback.
+    marker.unlink()
+    sent = tmp_path / "sent.ckpt"
+    sent.write_bytes(data)
+    out, _ = fit(tmp_path, demo_data, "other", "--ckpt_path", str(sent))
+    assert out.returncode == 3, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"lit-dist: error: {sent} holds builtins.exec" in lines[0], out.stderr[-3000:]
+    assert "--weights_only false" in lines[0] and not marker.exists()
+    out, _ = fit(tmp_path, demo_data, "other", "--ckpt_path", str(sent), "--weights_only", "false",
+                 "--trainer.max_steps", "4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert marker.exists(), "trusted, the file is a full pickle"

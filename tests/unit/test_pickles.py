@@ -1,0 +1,35 @@
+"""What ``lit_dist.ckpt.pickles.load`` says about a file it will not unpickle: the type it refused, or why the
+file is no checkpoint, in words a user can act on."""
+
+import argparse
+
+import pytest
+import torch
+
+from lit_dist.ckpt.pickles import UntrustedPickle, load
+from lit_dist.errors import DataError
+
+pytestmark = pytest.mark.unit
+
+TRUST = "run it again with --trust true"
+
+
+def test_a_type_outside_the_allowlist_is_named_with_the_opt_in_and_loads_when_trusted(tmp_path):
+    path = tmp_path / "sent.ckpt"
+    torch.save({"weights": torch.ones(2), "args": argparse.Namespace(lr=1)}, path)
+    with pytest.raises(UntrustedPickle, match=rf"{path} holds argparse.Namespace: .*: {TRUST}$"):
+        load(str(path), TRUST)
+    assert load(str(path), TRUST, allowed=[argparse.Namespace])["args"].lr == 1
+    assert load(str(path), TRUST, trust=True)["args"].lr == 1
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"hello\n", "it is not a file that torch.save writes (neither a zip archive nor a pickle)"),
+    (b"PK\x03\x04 truncated", "RuntimeError: PytorchStreamReader failed reading zip archive"),
+], ids=["text", "truncated-zip"])
+def test_a_file_that_is_no_checkpoint_says_why(tmp_path, content, reason):
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=rf"^{path} cannot be read as a checkpoint: ") as raised:
+        load(str(path), TRUST)
+    assert str(raised.value).startswith(f"{path} cannot be read as a checkpoint: {reason}"), raised.value
