@@ -160,6 +160,12 @@ class LitDistCLI(LightningCLI):
             arguments["ckpt_path"] = checkpointing.resolve_ckpt_path(self.trainer, arguments.get("ckpt_path"))
         elif arguments.get("ckpt_path") == "auto":
             arguments["ckpt_path"] = None
+        if arguments.get("ckpt_path"):
+            from lit_dist.ckpt import pickles
+            from lit_dist.ckpt.io import TRUST
+
+            # A sharded or DeepSpeed checkpoint is unpickled in full by torch or DeepSpeed: vetted first.
+            pickles.vet(str(arguments["ckpt_path"]), TRUST, trust=arguments.get("weights_only") is False)
 
     before_validate = before_test = before_predict = _resolve_ckpt_path
 

@@ -123,16 +123,7 @@ def _deepspeed_state(path: str, trust: bool) -> dict:
     except ImportError as exc:
         raise DataError(f"{path} is a DeepSpeed checkpoint; converting it needs DeepSpeed: "
                         "pip install --no-build-isolation deepspeed") from exc
-    if not trust:
-        from lit_dist.ckpt import pickles
+    from lit_dist.ckpt import pickles
 
-        # DeepSpeed's converter loads every file as a full pickle: each must first load with weights_only
-        # (memory-mapped, so no tensor is read) and DeepSpeed's own few types.
-        folder = path
-        if os.path.isfile(os.path.join(path, "latest")):
-            with open(os.path.join(path, "latest")) as f:
-                folder = os.path.join(path, f.read().strip())
-        for root, _, names in os.walk(folder):
-            for name in sorted(n for n in names if n.endswith(".pt")):
-                pickles.load(os.path.join(root, name), TRUST, allowed=pickles.deepspeed_types(), mmap=True)
+    pickles.vet_deepspeed(path, TRUST, trust=trust)  # its converter loads every file as a full pickle
     return get_fp32_state_dict_from_zero_checkpoint(path)

@@ -21,6 +21,8 @@ Anything else is refused with one line naming the type and the caller's opt-in f
 trusts (``lit-dist export --trust_pickle``, ``lit-dist fit --weights_only false``).
 """
 
+import io
+import os
 import pickle
 import re
 import struct
@@ -46,15 +48,17 @@ def deepspeed_types() -> list:
 
 
 def load(file, opt_in: str, *, trust: bool = False, allowed: list | tuple = (), map_location: Any = "cpu",
-         mmap: bool = False) -> Any:
+         mmap: bool = False, where: str | None = None) -> Any:
     """``torch.load`` of ``file`` (a path or a seekable binary file) with ``weights_only``, allowing ``allowed`` too.
 
     ``trust`` loads it as a full pickle (the user's explicit opt-in). Otherwise a file that names any
-    other type raises :class:`UntrustedPickle`, whose message ends with ``opt_in`` (how to trust it).
+    other type raises :class:`UntrustedPickle`, whose message ends with ``opt_in`` (how to trust it) and
+    starts with ``where`` (default: the file's path).
     """
     if trust:
         return torch.load(file, map_location=map_location, mmap=mmap, weights_only=False)
-    where = file if isinstance(file, str) else getattr(file, "name", None) or getattr(file, "path", "the checkpoint")
+    where = where or (file if isinstance(file, str) else
+                      getattr(file, "name", None) or getattr(file, "path", "the checkpoint"))
     try:
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(file, map_location=map_location, mmap=mmap, weights_only=True)
@@ -137,3 +141,56 @@ def load_dcp_metadata(file, where: str, opt_in: str, *, trust: bool = False):
             raise DataError(f"{where} cannot be read as a sharded checkpoint's metadata: {exc}") from None
         raise UntrustedPickle(f"{where} holds {named[0]}: loading it could run any code, so lit-dist does not "
                               f"unpickle it. If you trust the file and where it came from: {opt_in}") from None
+
+
+def vet_sharded(folder: str, opt_in: str, *, trust: bool = False) -> None:
+    """Refuse a sharded checkpoint (a ``torch.distributed.checkpoint`` folder) whose pickles name a type beyond
+    its own, before a resume hands it to torch: ``FileSystemReader`` reads ``.metadata`` with plain
+    ``pickle.load`` and its planner every non-tensor entry with ``torch.load(weights_only=False)``. Here the
+    metadata is read through the restricted unpickler and each non-tensor entry with ``weights_only``; torch
+    then reads the same bytes. ``trust`` (the user's opt-in) skips it."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    if trust:
+        return
+    path = os.path.join(folder, ".metadata")
+    with open(path, "rb") as f:
+        metadata = load_dcp_metadata(f, path, opt_in)
+    for index, info in (metadata.storage_data or {}).items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue  # a tensor's bytes: raw storage, no pickle
+        where = f"{os.path.join(folder, info.relative_path)} (entry {index.fqn})"
+        if getattr(info, "transform_descriptors", None):
+            raise UntrustedPickle(f"{where} is stored through {', '.join(info.transform_descriptors)}, which "
+                                  f"lit-dist cannot check before torch unpickles it. If you trust the file and where "
+                                  f"it came from: {opt_in}")
+        with open(os.path.join(folder, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            load(io.BytesIO(f.read(info.length)), opt_in, where=where)
+
+
+def vet_deepspeed(folder: str, opt_in: str, *, trust: bool = False) -> None:
+    """Refuse a DeepSpeed checkpoint whose files name a type beyond DeepSpeed's own few: DeepSpeed loads every
+    file as a full pickle (its resume and its converter to one state dict). Each file is loaded here first
+    with ``weights_only``, memory-mapped, so no tensor is read. ``trust`` (the user's opt-in) skips it."""
+    if trust:
+        return
+    tag = os.path.join(folder, "latest")
+    if os.path.isfile(tag):
+        with open(tag) as f:
+            folder = os.path.join(folder, f.read().strip())
+    for root, _, names in os.walk(folder):
+        for name in sorted(n for n in names if n.endswith(".pt")):
+            load(os.path.join(root, name), opt_in, allowed=deepspeed_types(), mmap=True)
+
+
+def vet(path: str, opt_in: str, *, trust: bool = False) -> None:
+    """Refuse a local checkpoint folder that a resume would hand to a full unpickler (a sharded or DeepSpeed
+    checkpoint) if it names a type beyond its own; a single file needs nothing here (it is loaded through
+    ``load``)."""
+    if trust or not os.path.isdir(path):
+        return
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        vet_sharded(path, opt_in)
+    elif os.path.isfile(os.path.join(path, "latest")) or any(n.startswith("global_step") for n in os.listdir(path)):
+        vet_deepspeed(path, opt_in)

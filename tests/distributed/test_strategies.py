@@ -1,13 +1,19 @@
 """DDP and FSDP2 on two CPU processes: same losses as one process, and checkpoints that export anywhere."""
 
+import hashlib
 import json
+import pickle
 
 import numpy as np
 import pytest
 import torch
 
+from lit_dist.ckpt.io import TRUST
+from lit_dist.ckpt.pickles import vet
+from lit_dist.ckpt.store import MARKER, STATE
 from lit_dist.models import SimpleCNN
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
+from tests.helpers.planted import Planted
 
 pytestmark = pytest.mark.distributed
 
@@ -68,6 +74,21 @@ def test_fsdp2_sharded_checkpoint_exports_to_a_bare_model(tmp_path, demo_data):
         net.load_state_dict(state)  # strict: every key, no lit-dist needed
         outputs.append(net(x))
     torch.testing.assert_close(outputs[0], outputs[1])
+
+    # torch unpickles a sharded checkpoint's `.metadata` and non-tensor entries in full: a resume vets them
+    # first. The run's own pass (an optimizer's state as FSDP2 saves it); a planted `.metadata` is refused.
+    vet(str(checkpoint / STATE), TRUST)
+    marker = tmp_path / "marker"
+    metadata = checkpoint / STATE / ".metadata"
+    metadata.write_bytes(pickle.dumps(Planted(marker)))
+    data = metadata.read_bytes()
+    manifest["files"][f"{STATE}/.metadata"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / MARKER).write_text(json.dumps(manifest))
+    out = lit_dist("fit", *quickstart_args(tmp_path, demo_data), *COMMON, "--run.run_id", "sent", "--trainer.devices",
+                   "2", "--config", str(CONFIGS / "fsdp2.yaml"), "--ckpt_path", str(checkpoint), timeout=300)
+    assert out.returncode == 3, out.stderr[-4000:]
+    assert f"lit-dist: error: {metadata} holds builtins.exec" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not marker.exists(), "the planted object ran"
 
 
 def test_fsdp2_under_bf16_mixed_gathers_bf16_and_keeps_float32_weights(single, tmp_path, demo_data):

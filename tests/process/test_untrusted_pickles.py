@@ -13,18 +13,9 @@ import torch
 
 from lit_dist.ckpt.store import MARKER, STATE
 from tests.conftest import lit_dist, quickstart_args
+from tests.helpers.planted import Planted
 
 pytestmark = pytest.mark.process
-
-
-class Planted:
-    """Unpickling it runs code: it writes ``marker``."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
 
 
 def fit(tmp_path, demo_data, run_id="run", *extra):

@@ -1,13 +1,15 @@
-"""What ``lit_dist.ckpt.pickles.load`` says about a file it will not unpickle: the type it refused, or why the
-file is no checkpoint, in words a user can act on."""
+"""What ``lit_dist.ckpt.pickles`` says about a file it will not unpickle (the type it refused, or why the file is no
+checkpoint, in words a user can act on) and how it vets the folders torch and DeepSpeed unpickle in full."""
 
 import argparse
+import pickle
 
 import pytest
 import torch
 
 from lit_dist.ckpt.pickles import UntrustedPickle, load
 from lit_dist.errors import DataError
+from tests.helpers.planted import Planted
 
 pytestmark = pytest.mark.unit
 
@@ -33,3 +35,25 @@ def test_a_file_that_is_no_checkpoint_says_why(tmp_path, content, reason):
     with pytest.raises(DataError, match=rf"^{path} cannot be read as a checkpoint: ") as raised:
         load(str(path), TRUST)
     assert str(raised.value).startswith(f"{path} cannot be read as a checkpoint: {reason}"), raised.value
+
+
+def test_a_sharded_checkpoint_is_vetted_before_torch_unpickles_its_entries_in_full(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from lit_dist.ckpt.pickles import vet
+
+    own, sent, marker = tmp_path / "own", tmp_path / "sent", tmp_path / "marker"
+    # What an optimizer's state holds beside tensors, as torch.distributed.checkpoint stores it (pickled entries).
+    dcp.save({"w": torch.ones(3), "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "step": 3},
+             checkpoint_id=str(own), no_dist=True)
+    vet(str(own), TRUST)
+    dcp.save({"w": torch.ones(3), "extra": Planted(marker)}, checkpoint_id=str(sent), no_dist=True)
+    with pytest.raises(UntrustedPickle, match=rf"^{sent}/__0_0.distcp \(entry extra\) holds builtins.exec: .*{TRUST}$"):
+        vet(str(sent), TRUST)
+    assert not marker.exists()
+    vet(str(sent), TRUST, trust=True)  # the opt-in: torch unpickles it in full, as it would anyway
+
+    (sent / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    with pytest.raises(UntrustedPickle, match=rf"^{sent}/.metadata holds builtins.exec: "):
+        vet(str(sent), TRUST)
+    assert not marker.exists(), "the planted object ran"
