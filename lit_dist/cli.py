@@ -352,6 +352,15 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
 
 
+def _world() -> int:
+    """The number of ranks of the run, from the process group or the launcher's environment."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-dist`` console script."""
     argv = _drop_local_rank(sys.argv[1:] if args is None else args)
@@ -382,7 +391,7 @@ def main(args: list[str] | None = None) -> None:
 
         err = _user_error(exc) or processes.worker_death(exc, _rank())
         if err is None:
-            lost = processes.peer_lost(exc, _rank())
+            lost = processes.peer_lost(exc, _rank(), _world())
             # A child rank that ended first broke this rank's collective: its end is the run's (one that closed
             # its connection may take a while to exit: its interpreter, its workers).
             if (code := processes.blame_child(wait_s=30.0 if lost else 3.0)) is not None:

@@ -211,17 +211,21 @@ def worker_death(exc: BaseException, rank: int) -> ProcessDied | None:
 _PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Remote process exited")
 
 
-def peer_lost(exc: BaseException, rank: int) -> ProcessDied | None:
+def peer_lost(exc: BaseException, rank: int, world: int = 1) -> ProcessDied | None:
     """A ProcessDied for a collective that failed because a peer process went away, else None. Under srun or
-    torchrun this rank cannot see how the peer ended; their own log lines say which task and how."""
+    torchrun this rank cannot see how the peer ended; it names the ranks that stopped answering the job's
+    rendezvous store (``lit_dist.roll_call``), and the launcher's own lines say how they ended."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, RuntimeError) and (match := _PEER_LOST.search(str(exc))):
-            return ProcessDied(f"rank {rank}: a collective failed because another process of the run went away "
-                               f"({match.group(0)}); the launcher's log says which and how (torchrun: 'failed "
-                               "(exitcode: -9) local_rank: N', srun: 'task N: Killed'); resume the run from its last "
-                               "checkpoint")
+            from lit_dist import roll_call
+
+            gone = roll_call.gone(rank, world)
+            who = f"{gone} went away" if gone else "another process of the run went away"
+            return ProcessDied(f"rank {rank}: a collective failed because {who} ({match.group(0)}); the launcher's "
+                               "log says how it ended (torchrun: 'failed (exitcode: -9) local_rank: N', srun: 'task "
+                               "N: Killed'); resume the run from its last checkpoint")
         exc = exc.__cause__ or exc.__context__
     return None
 

@@ -50,13 +50,15 @@ def demo_data(tmp_path_factory) -> Path:
     return path
 
 
-def lit_dist(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the real ``lit-dist`` command line in a subprocess, as a user would."""
+def lit_dist(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None,
+             launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run the real ``lit-dist`` command line in a subprocess, as a user would (``launcher``: the command that
+    runs ``-m lit_dist ...`` in its place, e.g. torchrun and its flags; default: this Python)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}
     clean["PYTHONFAULTHANDLER"] = "1"  # a process killed by SIGABRT first writes every thread's stack
     clean.update(env or {})
     # Its own session: on a hang, every process of the run (ranks, loader workers) can be reached at once.
-    proc = subprocess.Popen([sys.executable, "-m", "lit_dist", *args], cwd=cwd or REPO, env=clean, text=True,
+    proc = subprocess.Popen([*(launcher or [sys.executable]), "-m", "lit_dist", *args], cwd=cwd or REPO, env=clean, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

@@ -47,10 +47,11 @@ import traceback
 
 from lightning.pytorch import Callback
 
-from lit_dist import compat
+from lit_dist import compat, roll_call
 from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError, ExitCode
 from lit_dist.last_resort import EXIT_AFTER_DUMP_S, WORKER_DUMPS_ENV, LastResort, dump_helpers
+from lit_dist.roll_call import STORE_ERRORS, rendezvous_store
 from lit_dist.slurm import check_exclusion
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,6 @@ log = logging.getLogger(__name__)
 # Where a rank is in the step after its last finished one, in order ("starting": before its first batch).
 PHASES = ("starting", "waiting for the batch", "forward", "backward", "optimizer step")
 _KEY = "lit-dist/watchdog"
-# What a TCPStore request raises when the store cannot answer: torch's DistStoreError and DistNetworkError are
-# RuntimeErrors; a refused or reset connection can surface as an OSError; a garbled value as a ValueError.
-_STORE_ERRORS = (RuntimeError, OSError, ValueError)
 
 
 class HangWatchdog(Callback):
@@ -197,10 +195,10 @@ class HangWatchdog(Callback):
         self._halt()
 
     def _declared(self, trainer) -> bool:
-        store = _store() if trainer.world_size > 1 else None
+        store = rendezvous_store() if trainer.world_size > 1 else None
         try:
             return store is not None and store.check([f"{_KEY}/hung"])
-        except _STORE_ERRORS:  # the store went with rank 0
+        except STORE_ERRORS:  # the store went with rank 0
             return False
 
     def _halt(self) -> None:
@@ -233,10 +231,15 @@ class HangWatchdog(Callback):
 
     def _watch(self, trainer) -> None:
         rank, world = trainer.global_rank, trainer.world_size
-        store = _store() if world > 1 else None
+        store = rendezvous_store() if world > 1 else None
         poll = min(1.0, self.heartbeat_s)
         next_beat = 0.0
         armed_for = None
+        if store is not None:
+            try:  # who this rank is, for the ranks left if it goes away (lit_dist/roll_call.py)
+                roll_call.register(store, rank, self.heartbeat_s)
+            except STORE_ERRORS as exc:
+                log.debug("lit-dist watchdog: store unreachable (%s)", exc)
         while not self._stop.wait(poll):
             now = time.monotonic()
             # Pushed forward while this thread runs; fires when it cannot (the interpreter lock held).
@@ -249,8 +252,9 @@ class HangWatchdog(Callback):
                 next_beat = now + self.heartbeat_s
                 try:
                     store.set(f"{_KEY}/progress/{rank}", f"{compat.collectives_issued()} {self._step} {self._phase}")
+                    roll_call.beat(store, rank)
                     declared = store.check([f"{_KEY}/hung"])
-                except _STORE_ERRORS as exc:  # the store is gone: the job is ending anyway
+                except STORE_ERRORS as exc:  # the store is gone: the job is ending anyway
                     log.debug("lit-dist watchdog: store unreachable (%s)", exc)
             stalled = now - self._progress_at > self.timeout()
             if stalled or declared:
@@ -267,7 +271,7 @@ class HangWatchdog(Callback):
         if store is not None and noticed:
             try:  # the first rank to declare it names the ranks behind and tells the world
                 first = store.add(f"{_KEY}/hung", 1) == 1
-            except _STORE_ERRORS:  # the store is gone with its rank: this rank speaks for itself
+            except STORE_ERRORS:  # the store is gone with its rank: this rank speaks for itself
                 first = True
         path = _dump_stacks(_hang_file(trainer.default_root_dir, rank), rank, self._step, self._phase, waited)
         if helpers := dump_helpers():  # loader workers: a read that blocks is in one of them
@@ -304,7 +308,7 @@ class HangWatchdog(Callback):
             if store is not None:
                 try:  # the others may leave now: this rank said it all (a parent rank's exit ends its children)
                     store.set(f"{_KEY}/told", "1")
-                except _STORE_ERRORS:
+                except STORE_ERRORS:
                     pass
         else:
             print(f"lit-dist: hang declared by another rank: rank {rank} stacks in {path}", file=sys.stderr, flush=True)
@@ -319,16 +323,6 @@ class HangWatchdog(Callback):
         os._exit(int(ExitCode.HUNG))  # the training thread may be stuck in a collective: no unwinding
 
 
-def _store():
-    """The process group's rendezvous store (a TCPStore client of its own connection), or None."""
-    try:
-        from torch.distributed import distributed_c10d
-
-        return distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):  # no store, or torch renamed it: this rank's own hang is still caught
-        return None
-
-
 def _behind(store, world: int, rank: int, step: int, phase: int) -> tuple[list[int], dict[int, tuple[int, int, int]]]:
     """(the ranks least advanced by (collectives issued, step, phase), every rank's progress)."""
     progress = {rank: (compat.collectives_issued(), step, phase)}
@@ -338,7 +332,7 @@ def _behind(store, world: int, rank: int, step: int, phase: int) -> tuple[list[i
         key = f"{_KEY}/progress/{other}"
         try:  # check first: the store's get waits for a missing key until the store's own timeout
             value = store.get(key).decode().split() if store.check([key]) else None
-        except _STORE_ERRORS:  # the store went away (its host rank ended): nothing known
+        except STORE_ERRORS:  # the store went away (its host rank ended): nothing known
             value = None
         # A rank that never published (stuck before its watchdog's first heartbeat) is the least advanced.
         progress[other] = (int(value[0]), int(value[1]), int(value[2])) if value else (-1, -1, 0)
@@ -376,7 +370,7 @@ def _await_end(run_dir: str, world: int, store, deadline: float) -> None:
             dumped = False  # not made yet: that rank's watchdog had not started
         try:
             told = store is None or store.check([f"{_KEY}/told"])
-        except _STORE_ERRORS:
+        except STORE_ERRORS:
             told = True  # the store went with its rank: nobody is left to wait for
         if dumped and told:
             return
