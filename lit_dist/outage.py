@@ -32,6 +32,28 @@ _SERVER_TROUBLE = ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTi
 _SERVER_STATUS = re.compile(r"(?<![\w-])50[0234](?![\w-])")
 
 
+# Each request to an S3 store, unless the storage options say otherwise: a network that drops packets without a word
+# holds a request until these run out (botocore's defaults: 60 s each, up to 5 attempts, and s3fs tries a timed-out
+# read 5 times), before the outage deadline above is even looked at. One attempt per request: ``call`` retries.
+S3_REQUEST = {"connect_timeout": 5, "read_timeout": 20, "retries": {"total_max_attempts": 1}}
+S3_READ_TRIES = 2  # s3fs's own tries of a read that timed out or was torn (its default: 5)
+
+
+def url_to_fs(url: str, **storage_options):
+    """``fsspec.core.url_to_fs`` with lit-dist's bounds on one request to an S3 store (``S3_REQUEST``, each key
+    only where the storage options' ``config_kwargs`` lack it): a silent network fails a request within 5 s
+    (connecting) or 40 s (a read), and ``call`` takes it from there."""
+    import fsspec
+
+    s3 = url.split("://", 1)[0] in ("s3", "s3a")
+    if s3:
+        storage_options["config_kwargs"] = {**S3_REQUEST, **(storage_options.get("config_kwargs") or {})}
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    if s3 and isinstance(getattr(fs, "retries", None), int):
+        fs.retries = min(fs.retries, S3_READ_TRIES)
+    return fs, path
+
+
 class StoreUnreachable(LitDistError):
     """The object store did not answer for the whole outage deadline."""
 

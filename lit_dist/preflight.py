@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback
 
+from lit_dist import outage
 from lit_dist.errors import ConfigError, ExitCode, LitDistError
 
 # Per-rank figures: (key, column title, unit).
@@ -325,10 +326,9 @@ class Preflight(Callback):
 
 def _source_files(data, rank: int, world: int) -> tuple[list[str], object]:
     """This rank's share (every world-th) of the run's source image paths, and their filesystem."""
-    import fsspec
 
     files, fs = [], None
     for source, (meta, _, _) in zip(data.sources, data.read(), strict=True):
-        fs, root = fsspec.core.url_to_fs(source.image_root, **(data.storage_options or {}))
+        fs, root = outage.url_to_fs(source.image_root, **(data.storage_options or {}))
         files += [f"{root.rstrip('/')}/{name}" for name in list(meta.filenames)[rank::world]]
     return files, fs

@@ -18,6 +18,7 @@ import json
 
 import numpy as np
 
+from lit_dist import outage
 from lit_dist.data.names import name_hashes
 from lit_dist.hashing import GOLDEN_GAMMA, MIX1, MIX2
 
@@ -90,10 +91,9 @@ def listed_identity(root: str, filenames, storage_options: dict | None = None) -
     One listing (``find``) of the whole root, not a request per file; a file that is not there
     gets identity 0, and fails to decode when its entry is built.
     """
-    import fsspec
     import pyarrow as pa
 
-    fs, base = fsspec.core.url_to_fs(root, **(storage_options or {}))
+    fs, base = outage.url_to_fs(root, **(storage_options or {}))
     base = base.rstrip("/")
     listing = {name[len(base) + 1 :]: info for name, info in fs.find(base, detail=True).items()}
     names = filenames.to_pylist() if hasattr(filenames, "to_pylist") else list(filenames)

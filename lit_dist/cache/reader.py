@@ -197,9 +197,8 @@ class FieldView:
                 raise CorruptEntry(f"{url} is shorter than its index says")
             return mapped[offset : offset + length]
         if self._fs is None:
-            import fsspec
 
-            self._fs = fsspec.core.url_to_fs(url, **self.storage_options)[0]
+            self._fs = outage.url_to_fs(url, **self.storage_options)[0]
         try:  # one ranged GET; an outage is waited out, never a bad entry
             return outage.call(lambda: self._fs.cat_file(url, start=offset, end=offset + length),
                                f"{url} (cache field {self.field})", self.outage_deadline_s)

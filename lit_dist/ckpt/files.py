@@ -45,7 +45,7 @@ class FileEntry:
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path on it) for a local path or an fsspec URL."""
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return outage.url_to_fs(url, **(storage_options or {}))
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

@@ -91,10 +91,9 @@ class BucketImageDataset(torch.utils.data.Dataset):
         worker still points at the parent's event loop and never answers."""
         import os
 
-        import fsspec
 
         if self._fs_pid != os.getpid():
-            self._fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            self._fs, root = outage.url_to_fs(self.url, **self.storage_options)
             self.root, self._fs_pid = root.rstrip("/"), os.getpid()
             _guard_against_bombs(self.max_image_pixels)
         return self._fs

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lit_dist import outage
 from lit_dist.data.unreadable import MISSING, BadImage, decode_errors, permission_denied
 from lit_dist.data.workers import context, ignore_stop_signals
 
@@ -60,12 +61,11 @@ def scan_folder(
     headers of every world-th file left, and rank 0 puts them back in listing order, so its table
     is identical to a one-process scan.
     """
-    import fsspec
 
     from lit_dist.distributed import Comm
 
     comm = comm or Comm()
-    fs, base = fsspec.core.url_to_fs(root, **(storage_options or {}))
+    fs, base = outage.url_to_fs(root, **(storage_options or {}))
     listing = None
 
     def list_once() -> list[str]:
@@ -325,12 +325,11 @@ def load_or_scan(root: str, cache_path: str, storage_options: dict | None = None
     With a ``comm`` of several ranks a collective (every rank calls it): the header reads are split
     among the ranks, rank 0 writes the table, and every rank can read it when this returns.
     """
-    import fsspec
 
     from lit_dist.distributed import Comm
 
     comm = comm or Comm()
-    cache_fs, cache_file = fsspec.core.url_to_fs(cache_path)
+    cache_fs, cache_file = outage.url_to_fs(cache_path)
     if preserve_cache:
         # Decided together: every rank must take the same branch, and with node-local cache folders
         # (the default ~/.cache on nodes without a shared home) some ranks may lack the file. A damaged
@@ -347,11 +346,10 @@ def load_or_scan(root: str, cache_path: str, storage_options: dict | None = None
 
 def _readable_index(path: str) -> bool:
     """Whether ``path`` is a whole index table (its parquet footer and columns read), warning when it is not."""
-    import fsspec
     import pyarrow.parquet as pq
 
     try:
-        fs, file = fsspec.core.url_to_fs(path)
+        fs, file = outage.url_to_fs(path)
         with fs.open(file, "rb") as f:
             names = pq.read_schema(f).names
     except (OSError, ValueError) as exc:  # pyarrow's errors for a file that is not parquet are both
@@ -365,11 +363,10 @@ def read_previous_index(path: str):
     """The index written at ``path`` by an earlier scan, or None: missing, unreadable, or not an index
     (without bytes/mtime columns). Never raises, so rank 0 can call it alone before a collective: without
     it the scan just reads every header."""
-    import fsspec
     import pyarrow.parquet as pq
 
     try:
-        fs, file = fsspec.core.url_to_fs(path)
+        fs, file = outage.url_to_fs(path)
         if not fs.exists(file):
             return None
         table = pq.read_table(file, filesystem=fs)
@@ -382,10 +379,9 @@ def read_previous_index(path: str):
 def publish_table(table, path: str, comm: "Comm") -> None:
     """Rank 0 writes ``table`` (the others pass None) atomically at ``path``; every rank returns once it can
     read it there. A rank that cannot see rank 0's file (node-local storage) writes its own copy."""
-    import fsspec
 
     comm.on_rank_zero(lambda: write_table_atomically(table, path), f"writing the index {path}")
-    fs, file = fsspec.core.url_to_fs(path)
+    fs, file = outage.url_to_fs(path)
     missing = comm.all_gather(not fs.exists(file))
     if any(missing):
         table = comm.broadcast(table)
@@ -395,10 +391,9 @@ def publish_table(table, path: str, comm: "Comm") -> None:
 
 def write_table_atomically(table, path: str) -> None:
     """Write a parquet file under a temporary name in the same folder, then rename it into place."""
-    import fsspec
     import pyarrow.parquet as pq
 
-    fs, target = fsspec.core.url_to_fs(path)
+    fs, target = outage.url_to_fs(path)
     parent = os.path.dirname(target)
     if parent:
         fs.makedirs(parent, exist_ok=True)

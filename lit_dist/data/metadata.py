@@ -93,9 +93,8 @@ class Metadata:
 
 def list_parquet_files(path: str, storage_options: dict | None = None) -> tuple["fsspec.AbstractFileSystem", list[str]]:  # noqa: F821
     """The parquet files that ``path`` names: a file, a folder (searched recursively) or a glob."""
-    import fsspec
 
-    fs, fs_path = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    fs, fs_path = outage.url_to_fs(path, **(storage_options or {}))
 
     def listed() -> list[str]:
         if _GLOB_CHARS & set(fs_path):

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from lit_dist import outage
 from lit_dist.errors import DataError
 
 SAMPLE = 32  # files looked up: with a few bad rows among them the run goes on (they are replaced and counted)
@@ -22,13 +23,12 @@ def check_files_exist(root: str, filenames, rows: np.ndarray, field: str, storag
     """Raise a DataError naming ``field`` (the config field that gives ``root``; ``how_set``: e.g. that it is
     unset) when more than half of a sample of the files of ``rows`` (positions into ``filenames``, a pyarrow
     string array) are not under ``root``."""
-    import fsspec
 
     if not len(rows):
         return
     picks = np.unique(rows[np.linspace(0, len(rows) - 1, min(sample, len(rows))).astype(np.int64)])
     names = [filenames[int(i)].as_py() for i in picks]
-    fs, base = fsspec.core.url_to_fs(root, **(storage_options or {}))
+    fs, base = outage.url_to_fs(root, **(storage_options or {}))
     base = base.rstrip("/")
     missing = [n for n, there in zip(names, _exist(fs, [f"{base}/{n}" for n in names]), strict=True) if not there]
     if len(missing) * 2 <= len(names):  # a few missing files are bad samples: replaced, counted, reported

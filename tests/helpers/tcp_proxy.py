@@ -1,5 +1,6 @@
-"""A TCP proxy on 127.0.0.1 that a test cuts (every connection closed, new ones refused) and restores on the same
-port: how an object store behind a failing network looks to a client, with the real server kept running."""
+"""A TCP proxy on 127.0.0.1 that a test cuts (every connection closed, new ones refused) or silences (connections
+accepted and held, nothing forwarded either way: a network that drops packets without a word) and restores on
+the same port: how an object store behind a failing network looks to a client, with the real server kept running."""
 
 import socket
 import threading
@@ -12,6 +13,7 @@ class TcpProxy:
         self.target = target
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        self._silent = threading.Event()
         self._listener = self._listen(0)
         self.port = self._listener.getsockname()[1]
 
@@ -33,6 +35,10 @@ class TcpProxy:
                 client, _ = listener.accept()
             except OSError:  # closed by cut()
                 return
+            if self._silent.is_set():
+                with self._lock:
+                    self._open.add(client)  # held open, never answered
+                continue
             try:
                 server = socket.create_connection(self.target, timeout=10)
             except OSError:
@@ -46,7 +52,8 @@ class TcpProxy:
     def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
-                sink.sendall(data)
+                if not self._silent.is_set():
+                    sink.sendall(data)
         except OSError:
             pass
         finally:
@@ -73,7 +80,15 @@ class TcpProxy:
                     pass
             self._open.clear()
 
+    def silence(self) -> None:
+        """Hold every connection, old and new, open without forwarding a byte."""
+        self._silent.set()
+
     def restore(self) -> None:
+        """Forward again (after ``silence``), or listen again on the same port (after ``cut``)."""
+        if self._silent.is_set():
+            self._silent.clear()
+            return
         self._listener = self._listen(self.port)
 
     def close(self) -> None:
