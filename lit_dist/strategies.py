@@ -9,7 +9,7 @@
 ``FSDP2Strategy`` shards each configured block with ``fully_shard`` (FSDP2) over all
 devices; it runs on CPU over gloo too, so sharded training is tested without a GPU.
 ``FSDPStrategy`` is Lightning's FSDP (FSDP1) with the wrap and activation-checkpointing
-policies given as class paths. DeepSpeed is Lightning's ``DeepSpeedStrategy``
+policies given as class paths. ``DeepSpeedStrategy`` is Lightning's, able to run on CPU too
 (``configs/deepspeed_*.yaml``).
 """
 
@@ -17,10 +17,12 @@ import importlib
 import importlib.util
 import os
 import re
+from contextlib import contextmanager
 
 import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lit_dist.errors import ConfigError
@@ -154,6 +156,73 @@ class FSDPStrategy(LightningFSDPStrategy):
                          sharding_strategy=sharding_strategy, state_dict_type=state_dict_type, **kwargs)
 
 
+class DeepSpeedStrategy(LightningDeepSpeedStrategy):
+    """Lightning's DeepSpeed strategy, which also runs on CPU processes (for tests and small runs).
+
+    On GPUs it is Lightning's, unchanged. With ``trainer.accelerator: cpu`` it skips two of Lightning's checks,
+    both about CUDA devices, not about DeepSpeed: the guard that refuses any accelerator but CUDA (added in 2022,
+    when DeepSpeed itself could not run on CPU; DeepSpeed now has a CPU accelerator, gloo when oneCCL is absent)
+    and the check of CUDA device indices; and it gives DeepSpeed the local rank as its device rank, where
+    Lightning gives the CPU device's index (None). ZeRO 1-3 and CPU offload then train, save and resume on CPU.
+    """
+
+    def __init__(self, logging_batch_size_per_gpu: int | str = "auto", **kwargs):
+        """Lightning's DeepSpeedStrategy arguments (``config``: a DeepSpeed JSON file or dict, and the rest).
+
+        Args:
+            logging_batch_size_per_gpu: DeepSpeed's micro batch when its JSON leaves it out; lit-dist sets it to data.batch_size_per_device.
+        """
+        super().__init__(logging_batch_size_per_gpu=logging_batch_size_per_gpu, **kwargs)
+        self._micro_batch = logging_batch_size_per_gpu
+
+    def _auto_select_batch_size(self) -> int:
+        # Lightning reads the loader's batch_size, which lit-dist's loaders leave unset (the dataset returns whole
+        # batches); Lightning applies logging_batch_size_per_gpu only where no JSON is given.
+        return self._micro_batch if isinstance(self._micro_batch, int) else super()._auto_select_batch_size()
+
+    def _on_cpu(self) -> bool:
+        return self.root_device.type == "cpu"
+
+    def setup_environment(self) -> None:
+        if not self._on_cpu():
+            super().setup_environment()
+            return
+        # Read by DeepSpeed when it is first imported (by setup_distributed, next): its CPU accelerator.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        DDPStrategy.setup_environment(self)  # what Lightning's does after its CUDA-only guard
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu():
+            super().setup_distributed()
+            return
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @contextmanager
+    def _device_rank(self):
+        """Within: the CPU devices carry the ranks' indices, which Lightning hands DeepSpeed as ``device_rank``."""
+        if not self._on_cpu():
+            yield
+            return
+        devices = self.parallel_devices
+        self.parallel_devices = [torch.device("cpu", i) for i in range(len(devices))]
+        try:
+            yield
+        finally:
+            self.parallel_devices = devices
+
+    def _setup_model_and_optimizer(self, *args, **kwargs):
+        with self._device_rank():
+            return super()._setup_model_and_optimizer(*args, **kwargs)
+
+    def _initialize_deepspeed_inference(self, *args, **kwargs):
+        with self._device_rank():
+            return super()._initialize_deepspeed_inference(*args, **kwargs)
+
+
 INSTALL_DEEPSPEED = "Install it with `pip install --no-build-isolation deepspeed` (bash .ci/setup does)."
 
 
@@ -194,9 +263,10 @@ def check_strategy(trainer_config, cuda_available: bool | None = None) -> list[s
     problems = []
     on_cpu = accelerator == "cpu" or (accelerator in ("auto", "none") and not cuda)
     if "deepspeed" in key:
-        if on_cpu:
-            problems.append(f"trainer.strategy = {name!r} needs CUDA GPUs and this machine has none (accelerator "
-                            f"{accelerator!r}). On CPU use ddp or lit_dist.strategies.FSDP2Strategy (configs/fsdp2.yaml).")
+        if on_cpu and key != "lit_dist.strategies.deepspeedstrategy":
+            problems.append(f"trainer.strategy = {name!r} is Lightning's, which needs CUDA GPUs, and this run is on "
+                            f"CPU (accelerator {accelerator!r}). Use lit_dist.strategies.DeepSpeedStrategy (every "
+                            "configs/deepspeed_*.yaml preset does), which also runs on CPU.")
         if not deepspeed_installed():
             problems.append(f"trainer.strategy = {name!r} but DeepSpeed is not installed. {INSTALL_DEEPSPEED}")
     fsdp1 = key == "fsdp" or key.endswith(("strategies.fsdpstrategy", "fsdp.fsdpstrategy"))
@@ -234,8 +304,11 @@ def check_deepspeed(config, world_size: int) -> tuple[list[str], list[str]]:
     accumulate = int(config.trainer.accumulate_grad_batches or 1)
     ours = {"train_micro_batch_size_per_gpu": per_device, "gradient_accumulation_steps": accumulate,
             "gradient_clipping": config.trainer.gradient_clip_val}
+    if "gradient_accumulation_steps" in ds:  # Lightning refuses it in the JSON, whatever its value
+        problems.append(f"DeepSpeed config gradient_accumulation_steps = {ds['gradient_accumulation_steps']}: remove it "
+                        "from the JSON; it comes from trainer.accumulate_grad_batches.")
     for key, value in ours.items():
-        if key in ds and value is not None and ds[key] != value:
+        if key != "gradient_accumulation_steps" and key in ds and value is not None and ds[key] != value:
             problems.append(f"DeepSpeed config {key} = {ds[key]} but the run says {value} "
                             f"({'data.batch_size_per_device' if 'micro' in key else 'trainer.' + ('accumulate_grad_batches' if 'accum' in key else 'gradient_clip_val')}). "
                             "Remove it from the JSON (lit-dist fills it in) or make both the same.")
@@ -283,7 +356,9 @@ def prepare_strategy(config) -> None:
     ConfigError.collect(problems + deepspeed_problems)
     init_args = getattr(config.trainer.strategy, "init_args", None)
     per_device = getattr(getattr(config.data, "init_args", config.data), "batch_size_per_device", None)
-    if init_args is not None and getattr(init_args, "logging_batch_size_per_gpu", None) == "auto" and per_device:
+    deepspeed = "deepspeed" in strategy_name(config.trainer.strategy).lower()
+    if deepspeed and init_args is not None and getattr(init_args, "logging_batch_size_per_gpu", "auto") == "auto" \
+            and per_device:
         # DeepSpeed's micro batch: Lightning would guess it from the loader's batch_size, which
         # lit-dist's loaders leave unset (the dataset returns whole batches).
         init_args.logging_batch_size_per_gpu = per_device

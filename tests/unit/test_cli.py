@@ -18,8 +18,7 @@ from tests.conftest import CONFIGS, lit_dist, quickstart_args
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 
 
-GPU_ONLY = {"fsdp.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml", "deepspeed_zero2_offload.yaml",
-            "deepspeed_zero3_offload.yaml"}
+GPU_ONLY = {"fsdp.yaml"}  # Lightning refuses FSDP1 on CPU; FSDP2 and every DeepSpeed preset run there
 
 
 @pytest.mark.parametrize("config", SHIPPED, ids=lambda p: p.name)
@@ -28,7 +27,7 @@ def test_every_shipped_config_builds_model_data_and_trainer(config, tmp_path, de
     args = quickstart_args(tmp_path, demo_data, *([config] if config.name != "quickstart.yaml" else []))
     if config.name in GPU_ONLY and not torch.cuda.is_available():
         # Refused before any process starts, with the CPU alternatives named.
-        with pytest.raises(ConfigError, match="needs CUDA GPUs.*(ddp|FSDP2Strategy)"):
+        with pytest.raises(ConfigError, match="needs CUDA GPUs.*FSDP2Strategy"):
             LitDistCLI(args=args, run=False)
         return
     cli = LitDistCLI(args=args, run=False)
@@ -55,10 +54,23 @@ def test_deepspeed_json_that_disagrees_with_the_run_is_refused(tmp_path):
     )
     problems, warnings = check_deepspeed(config, world_size=4)
     text = " ".join(problems)
-    assert "gradient_accumulation_steps = 4 but the run says 2" in text
+    assert "gradient_accumulation_steps = 4: remove it from the JSON" in text  # Lightning refuses it, whatever value
     assert "train_batch_size = 100" in text and "8 x 4 x 2 = 64" in text
     assert "DeepSpeedCPUAdam" in text
     assert warnings and "ZeRO-3" in warnings[0]
+
+
+def test_lightning_s_own_deepspeed_strategy_on_cpu_is_refused_naming_lit_dist_s():
+    from types import SimpleNamespace
+
+    from lit_dist.strategies import check_strategy
+
+    def trainer(path):
+        return SimpleNamespace(strategy=SimpleNamespace(class_path=path), accelerator="cpu")
+
+    problems = check_strategy(trainer("lightning.pytorch.strategies.DeepSpeedStrategy"), cuda_available=False)
+    assert len(problems) == 1 and "Use lit_dist.strategies.DeepSpeedStrategy" in problems[0], problems
+    assert check_strategy(trainer("lit_dist.strategies.DeepSpeedStrategy"), cuda_available=False) == []
 
 
 @pytest.mark.process
