@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, quickstart_args
+from tests.conftest import CONFIGS, REPO, quickstart_args
 from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.distributed
@@ -35,7 +35,12 @@ def test_torchrun_on_one_machine(tmp_path, demo_data):
 @pytest.mark.skipif(not shutil.which("deepspeed", path=str(BIN)), reason="DeepSpeed is not installed")
 def test_the_deepspeed_launcher_on_one_machine(tmp_path, demo_data):
     # It adds --local_rank=N to the command line, which lit-dist takes from LOCAL_RANK instead.
+    # And trains with DeepSpeed itself (ZeRO-2 on the CPU processes), not DDP.
+    zero2 = [a for a in COMMON if a not in ("--trainer.strategy", "ddp")]
     out = subprocess.run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "lit_dist",
-                          "fit", *quickstart_args(tmp_path, demo_data, run__run_id="ds"), *COMMON],
+                          "fit", *quickstart_args(tmp_path, demo_data, CONFIGS / "deepspeed_zero2.yaml", run__run_id="ds",
+                                                  trainer__accelerator="cpu"), *zero2],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     check(out, "DeepSpeed launcher")
+    newest = sorted((tmp_path / "quickstart" / "ds" / "checkpoints").glob("step-*"))[-1]
+    assert (newest / "state.ckpt").is_dir(), "a DeepSpeed checkpoint folder: DeepSpeed trained"

@@ -326,3 +326,18 @@ class MarkAtStep(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step and trainer.global_rank == 0:
             open(self.path, "w").close()
+
+
+class PredictAtEnd(Callback):
+    """Writes the network's outputs for a fixed input to ``{run dir}/predictions-rank{N}.json`` when training ends,
+    with the strategy's own model (under ZeRO-3 each forward gathers the partitioned parameters: every rank runs it)."""
+
+    def on_train_end(self, trainer, pl_module):
+        import torch
+
+        x = torch.randn(3, 3, 24, 40, generator=torch.Generator().manual_seed(0))
+        pl_module.eval()
+        with torch.no_grad():
+            out = pl_module.net(x.to(pl_module.device))
+        pl_module.train()
+        write_rank_json(trainer, "predictions", out.float().cpu().tolist())
