@@ -24,11 +24,13 @@ def test_block_classes_the_model_lacks_get_suggestions():
     assert len(find_blocks(SimpleCNN(channels=(8, 8, 8)), import_classes(["lit_dist.models.ConvStage"], "x"), "x")) == 3
 
 
-@pytest.mark.parametrize("strategy,needle", [("deepspeed", "needs CUDA"), ("fsdp", "FSDP1"),
-                                             (SimpleNamespace(class_path="lit_dist.strategies.FSDPStrategy"), "FSDP1")])
-def test_gpu_only_strategies_are_refused_on_cpu_with_the_alternative(strategy, needle):
+@pytest.mark.parametrize("strategy,needle,alternative", [
+    ("deepspeed", "needs CUDA", "lit_dist.strategies.DeepSpeedStrategy"),  # Lightning's own, by its registered name
+    ("fsdp", "FSDP1", "FSDP2"),
+    (SimpleNamespace(class_path="lit_dist.strategies.FSDPStrategy"), "FSDP1", "FSDP2")])
+def test_gpu_only_strategies_are_refused_on_cpu_with_the_alternative(strategy, needle, alternative):
     problems = check_strategy(SimpleNamespace(strategy=strategy, accelerator="auto"), cuda_available=False)
-    assert problems and needle in problems[0] and ("ddp" in problems[0] or "FSDP2" in problems[0])
+    assert problems and needle in problems[0] and alternative in problems[0], problems
     assert not check_strategy(SimpleNamespace(strategy="ddp", accelerator="auto"), cuda_available=False)
     assert not check_strategy(SimpleNamespace(strategy="fsdp", accelerator="gpu"), cuda_available=True)
 
@@ -37,17 +39,17 @@ def test_fsdp1_and_deepspeed_presets_construct_on_cpu():
     import json
 
     import yaml
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
     from lit_dist.models import ConvStage
-    from lit_dist.strategies import FSDPStrategy
+    from lit_dist.strategies import DeepSpeedStrategy, FSDPStrategy
     from tests.conftest import CONFIGS
 
     fsdp_args = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())["trainer"]["strategy"]["init_args"]
     fsdp = FSDPStrategy(**fsdp_args)
     assert fsdp.kwargs["auto_wrap_policy"]._module_classes == {ConvStage} and fsdp.sharding_strategy.name == "FULL_SHARD"
-    for name in ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3_offload"):
-        path = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["trainer"]["strategy"]["init_args"]["config"]
+    for name in ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3", "deepspeed_zero3_offload"):
+        strategy_config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["trainer"]["strategy"]
+        assert strategy_config["class_path"] == "lit_dist.strategies.DeepSpeedStrategy", name
+        path = strategy_config["init_args"]["config"]
         expected = json.loads((CONFIGS.parent / path).read_text())["zero_optimization"]["stage"]
         strategy = DeepSpeedStrategy(config=str(CONFIGS.parent / path))
         assert strategy.config["zero_optimization"]["stage"] == expected
