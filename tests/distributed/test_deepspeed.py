@@ -17,13 +17,13 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("deepspeed")
 
 PRESETS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
-KILL, END, EVERY = 6, 12, 4  # ~25 steps per epoch at a global batch of 16: all mid-epoch
+KILL, END, EVERY = 6, 8, 4  # ~25 steps per epoch at a global batch of 16: all mid-epoch
 
 
 def fit(tmp_path, demo_data, preset, run_id, *extra):
     args = quickstart_args(tmp_path, demo_data, CONFIGS / f"deepspeed_{preset}.yaml", trainer__devices=2,
                            trainer__accelerator="cpu", data__batch_size_per_device=8, data__num_workers=0,
-                           trainer__max_steps=END, trainer__val_check_interval=6, trainer__limit_val_batches=2,
+                           trainer__max_steps=END, trainer__val_check_interval=4, trainer__limit_val_batches=2,
                            trainer__enable_progress_bar=False, checkpoint__every_n_steps=EVERY,
                            checkpoint__every_n_epochs=None, run__run_id=run_id)
     return lit_dist("fit", *args, *extra, timeout=300), tmp_path / "quickstart" / run_id
@@ -76,3 +76,14 @@ def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(preset, tmp
         c = torch.load(exported, weights_only=True)
         for key in a:
             assert torch.equal(a[key], c[key]), f"{key} differs in the export"
+
+
+def test_a_deepspeed_json_that_disagrees_with_the_run_is_refused_before_any_process_starts(tmp_path, demo_data):
+    bad = tmp_path / "zero2.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4,
+                               "gradient_accumulation_steps": 1}))
+    out, _ = fit(tmp_path, demo_data, "zero2", "bad", "--trainer.strategy.init_args.config", str(bad))
+    assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-3000:]
+    assert "train_micro_batch_size_per_gpu = 4 but the run says 8 (data.batch_size_per_device)" in out.stderr
+    assert "gradient_accumulation_steps = 1: remove it from the JSON" in out.stderr
+    assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
