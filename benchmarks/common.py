@@ -100,35 +100,70 @@ class PeakMemory(Callback):
             print("BENCH " + json.dumps({"peak_bytes": int(peak.item())}), flush=True)
 
 
-class StateMemory(Callback):
-    """Prints ``BENCH {...}`` with this rank's bytes of parameters, gradients and optimizer state.
+def _tensors(obj, depth: int = 0):
+    """The tensors in ``obj`` and the lists, tuples and dicts it holds (a few levels deep), and their ``.grad``."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif depth < 4 and isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value, depth + 1)
+    elif depth < 4 and isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _tensors(value, depth + 1)
 
-    Counted from the tensors each rank holds (local shards under FSDP), at the end of a step,
-    when all three exist at once, and the largest over the steps.
+
+class StateMemory(Callback):
+    """Prints ``BENCH {...}`` with this rank's bytes of parameters, gradients, optimizer state and (DeepSpeed ZeRO)
+    the optimizer's own copies and buffers.
+
+    Counted from the tensors each rank holds (local shards under FSDP, ``ds_tensor`` partitions under ZeRO-3, the
+    ZeRO optimizer's fp32 partitions and gradient partitions), each storage once, just before the optimizer step
+    (every gradient exists then, and from the second step Adam's moments), the largest over the steps. DDP's
+    gradient buckets are not reachable from the model or the optimizer and are not counted: DDP is flattered.
     """
 
     def __init__(self):
         super().__init__()
-        self.peak = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
+        self.peak = {"params": 0, "grads": 0, "optimizer": 0, "zero_buffers": 0, "total": 0}
 
     @staticmethod
     def _local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        params = [self._local(p) for p in pl_module.parameters()]
-        grads = [self._local(p.grad) for p in pl_module.parameters() if p.grad is not None]
-        states = [self._local(v) for opt in trainer.optimizers for s in opt.state.values() for v in s.values()
-                  if isinstance(v, torch.Tensor)]
-        sizes = {name: sum(t.numel() * t.element_size() for t in ts)
-                 for name, ts in (("params", params), ("grads", grads), ("optimizer", states))}
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        seen: set[int] = set()
+
+        def size(tensors) -> int:
+            total = 0
+            for t in tensors:
+                storage = self._local(t).untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        params = list(pl_module.parameters())
+        sizes = {"params": size([p for p in params] + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")])}
+        zero = [opt for opt in trainer.optimizers if type(opt).__module__.startswith("deepspeed")]
+        inner = [getattr(opt, "optimizer", opt) for opt in trainer.optimizers]
+        grads = [p.grad for p in params if p.grad is not None]
+        for opt in zero:  # ZeRO's gradient partitions and buckets
+            grads += [t for name, value in vars(opt).items() if "grad" in name and name != "optimizer"
+                      for t in _tensors(value)]
+        sizes["grads"] = size(grads)
+        sizes["optimizer"] = size(t for opt in inner for state in opt.state.values() for t in _tensors(state))
+        # ZeRO's fp32 partitions (master weights), flat buffers: what the ZeRO optimizer holds besides the above.
+        sizes["zero_buffers"] = size(t for opt in zero for name, value in vars(opt).items() if name != "optimizer"
+                                     for t in _tensors(value))
         sizes["total"] = sum(sizes.values())
         if sizes["total"] > self.peak["total"]:
             self.peak = sizes
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
-            params = sum(p.numel() for p in pl_module.parameters())  # a DTensor's numel is the global one
+            params = sum(getattr(p, "ds_numel", p.numel()) for p in pl_module.parameters())  # the global counts
             print("BENCH " + json.dumps({**self.peak, "num_params": params}), flush=True)
 
 
