@@ -7,7 +7,7 @@ from lit_dist.models import SimpleCNN
 from tests.conftest import CONFIGS, lit_dist
 
 PRESETS = ["ddp.yaml", "fsdp.yaml", "fsdp2.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml",
-           "deepspeed_zero2_offload.yaml", "deepspeed_zero3_offload.yaml"]
+           "deepspeed_zero2_offload.yaml", "deepspeed_zero3.yaml", "deepspeed_zero3_offload.yaml"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
