@@ -46,7 +46,9 @@ def test_a_loader_worker_killed_by_sigkill_is_named_with_its_rank_and_nothing_is
 
 
 def test_a_rank_stuck_holding_the_gil_dumps_its_stack_and_every_process_ends(tmp_path, demo_data):
-    out, left = run(tmp_path, demo_data, "--watchdog.timeout_s", "8", "--watchdog.heartbeat_s", "2",
+    # A step here takes well under a second: 4 s without one is a hang. Rank 1's last resort dumps its stacks
+    # from C 4 + 2 x 1 + 5 = 11 s after its last step (watchdog.last_resort_after_s).
+    out, left = run(tmp_path, demo_data, "--watchdog.timeout_s", "4", "--watchdog.heartbeat_s", "1",
                     "--trainer.callbacks+=tests.helpers.recorder.HoldGilAtStep", "--trainer.callbacks.step", "6",
                     workers=1)
     assert out.returncode == ExitCode.HUNG, out.stderr[-3000:]
@@ -57,7 +59,9 @@ def test_a_rank_stuck_holding_the_gil_dumps_its_stack_and_every_process_ends(tmp
 
 
 def test_a_rank_stuck_before_its_first_step_is_named_within_the_startup_deadline(tmp_path, demo_data):
-    out, left = run(tmp_path, demo_data, "--watchdog.startup_timeout_s", "20", "--watchdog.heartbeat_s", "2",
+    # Rank 1 holds the interpreter lock within a second of fit's start (before its watchdog's first heartbeat,
+    # hence "never published"); 8 s leaves it room on a loaded machine. Its last resort dumps 8 + 2 x 1 + 5 s in.
+    out, left = run(tmp_path, demo_data, "--watchdog.startup_timeout_s", "8", "--watchdog.heartbeat_s", "1",
                     "--trainer.callbacks+=tests.helpers.recorder.HoldGilAtStep", "--trainer.callbacks.step", "-1")
     assert out.returncode == ExitCode.HUNG, out.stderr[-3000:]
     assert "ranks behind: 1;" in out.stderr and "rank 1: never published its progress" in out.stderr, out.stderr[-3000:]
@@ -97,7 +101,7 @@ def test_a_read_that_blocks_in_a_loader_worker_is_named_with_the_workers_stack_a
     for name in blocked:
         os.remove(data / name)
         os.mkfifo(data / name)
-    out, left = run(tmp_path, data / "metadata.parquet", "--watchdog.timeout_s", "8", "--watchdog.heartbeat_s", "2",
+    out, left = run(tmp_path, data / "metadata.parquet", "--watchdog.timeout_s", "4", "--watchdog.heartbeat_s", "1",
                     "--watchdog.startup_timeout_s", "20", workers=1)
     assert out.returncode == ExitCode.HUNG, out.stderr[-3000:]
     assert "waiting for the batch" in out.stderr, out.stderr[-3000:]

@@ -16,11 +16,9 @@ from lit_dist.errors import ExitCode
 from tests.conftest import CONFIGS, REPO
 from tests.helpers.processes import finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy
+from tests.s3.outages import QUICK, SECOND_WAIT, WAITED_TWICE_S, Output, restored_on
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
-# One attempt per request, short timeouts: botocore's own retries (about 5 s against a refused connection) would
-# only lengthen every wait; what is tested is lit-dist's wait, which comes on top of whatever the client does.
-QUICK = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5}}
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
        "PYTHONFAULTHANDLER": "1"}
 
@@ -58,9 +56,10 @@ def test_a_short_outage_costs_its_length_and_no_sample_is_substituted(tmp_path, 
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     proxy.cut()
-    time.sleep(15)
+    output = Output(proc)
+    assert output.wait_for(SECOND_WAIT), output.tail()  # a read has waited twice (1 s, 2 s): the store comes back
     proxy.restore()
-    code, _, err = finish(proc)
+    code, _, err = output.finish()
     assert code == 0, err[-3000:]
     assert "the object store does not answer" in err, err[-3000:]  # it said what it waited for
     assert "using another" not in err and "unreadable" not in err, err[-3000:]
@@ -71,7 +70,7 @@ def test_a_short_outage_costs_its_length_and_no_sample_is_substituted(tmp_path, 
 def test_an_outage_past_its_deadline_stops_every_rank_with_exit_17_and_nothing_is_left(tmp_path, proxied):
     url, proxy = proxied
     marker = tmp_path / "cut-now"
-    proc = start(tmp_path, url, proxy, "gone", "--data.outage_deadline_s", "12", "--trainer.devices", "2",
+    proc = start(tmp_path, url, proxy, "gone", "--data.outage_deadline_s", "5", "--trainer.devices", "2",
                  "--trainer.strategy", "ddp", "--trainer.max_steps", "1000",
                  "--trainer.callbacks+=tests.helpers.recorder.MarkAtStep", "--trainer.callbacks.step", "4",
                  "--trainer.callbacks.path", str(marker))
@@ -85,13 +84,11 @@ def test_an_outage_past_its_deadline_stops_every_rank_with_exit_17_and_nothing_i
     assert code == ExitCode.STORE_UNREACHABLE, err[-3000:]
     assert "lit-dist: error: rank" in err and "the object store did not answer for" in err, err[-3000:]
     assert "retry the job later" in err and "Traceback" not in err, err[-3000:]
-    assert elapsed < 12 + 60, elapsed  # the deadline, one last attempt (a few seconds each), the other rank's grace
+    assert elapsed < 5 + 60, elapsed  # the deadline, one last attempt (a few seconds each), the other rank's grace
     assert not left, left
 
 
 def test_a_cache_on_s3_waits_out_an_outage_and_then_says_retry_later(s3, demo_data):
-    import threading
-
     from lit_dist.cache.config import CacheConfig
     from lit_dist.data.datamodule import BucketDataModule
     from lit_dist.outage import StoreUnreachable
@@ -114,10 +111,10 @@ def test_a_cache_on_s3_waits_out_an_outage_and_then_says_retry_later(s3, demo_da
         assert view.outage_deadline_s == 180.0  # the data module's deadline reached the cache's reader
         expected = view.read(17)
         proxy.cut()
-        threading.Timer(8.0, proxy.restore).start()
         started = time.monotonic()
-        assert (view.read(17) == expected).all()  # the same entry, read once the store answered again
-        assert time.monotonic() - started > 7
+        with restored_on(proxy):  # once the read has waited twice (1 s, 2 s)
+            assert (view.read(17) == expected).all()  # the same entry, read once the store answered again
+        assert time.monotonic() - started >= WAITED_TWICE_S
         proxy.cut()
         view.outage_deadline_s = 3.0  # what data.outage_deadline_s: 3 gives a view (checked above: 180 by default)
         with pytest.raises(StoreUnreachable, match=r"the object store did not answer .* \(cache field pixels\)"):
@@ -127,13 +124,12 @@ def test_a_cache_on_s3_waits_out_an_outage_and_then_says_retry_later(s3, demo_da
 
 
 def test_the_table_is_read_once_the_store_answers_again(proxied):
-    import threading
-
     from lit_dist.data.metadata import read_metadata
 
     url, proxy = proxied
     proxy.cut()
-    threading.Timer(12.0, proxy.restore).start()  # longer than botocore's own retries (about 5 s)
     started = time.monotonic()
-    meta = read_metadata(f"{url}/metadata.parquet", {"client_kwargs": {"endpoint_url": proxy.url}})
-    assert len(meta) == 400 and time.monotonic() - started > 11  # waited, then read: not a "damaged table" (exit 3)
+    with restored_on(proxy):  # once the read has waited twice (1 s, 2 s)
+        meta = read_metadata(f"{url}/metadata.parquet", {"client_kwargs": {"endpoint_url": proxy.url}})
+    # Waited, then read: not a "damaged table" (exit 3).
+    assert len(meta) == 400 and time.monotonic() - started >= WAITED_TWICE_S
