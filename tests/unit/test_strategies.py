@@ -39,6 +39,7 @@ def test_fsdp1_and_deepspeed_presets_construct_on_cpu():
     import json
 
     import yaml
+
     from lit_dist.models import ConvStage
     from lit_dist.strategies import DeepSpeedStrategy, FSDPStrategy
     from tests.conftest import CONFIGS
