@@ -1,14 +1,15 @@
 """DeepSpeed on two CPU processes (lit_dist.strategies.DeepSpeedStrategy): every preset trains and validates;
-ZeRO-2 and ZeRO-3 runs killed mid-epoch (SIGKILL) resume to the uninterrupted run's weights, bitwise; the
-consolidated model (model.pt at the end, `lit-dist export` of a ZeRO-3 checkpoint) loads into the plain network
-and predicts what the sharded model predicted."""
+ZeRO-2 and ZeRO-3 runs killed mid-epoch (SIGKILL) resume to the uninterrupted run's weights, bitwise; a preempted
+ZeRO-3 run saves at a step boundary and resumes to them too, and rotation never deletes the folder it resumed
+from; the consolidated model (model.pt at the end, `lit-dist export` of a ZeRO-3 checkpoint) loads into the plain
+network and predicts what the sharded model predicted."""
 
 import json
 
 import pytest
 import torch
 
-from lit_dist.ckpt.store import MARKER, STATE, checkpoint_name
+from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
 from lit_dist.models import SimpleCNN
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
@@ -35,19 +36,45 @@ def plain_net(state: dict) -> SimpleCNN:
     return net
 
 
+def weights(run_dir) -> dict:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def assert_equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs {what}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, demo_data):
+    """``(result, run dir)`` of each preset's uninterrupted run, run once: the preset test checks it, the resume
+    tests compare with its weights. ZeRO-1 asks for asynchronous saves too, to be told they stay synchronous;
+    PredictAtEnd runs the model in eval mode without gradients, so the weights are those of a plain run."""
+    runs = {}
+
+    def get(preset: str):
+        if preset not in runs:
+            extra = ["--checkpoint.async_save", "true"] if preset == "zero1" else []
+            runs[preset] = fit(tmp_path_factory.mktemp(preset), demo_data, preset, "run",
+                               "--trainer.callbacks+=tests.helpers.recorder.PredictAtEnd", *extra)
+        out, run_dir = runs[preset]
+        assert out.returncode == 0, out.stderr[-4000:]
+        return out, run_dir
+
+    return get
+
+
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_preset_trains_validates_and_writes_a_plain_model(preset, tmp_path, demo_data):
-    # ZeRO-1 asks for asynchronous saves too: every rank writes its part, so it is told they stay synchronous.
-    extra = ["--checkpoint.async_save", "true"] if preset == "zero1" else []
-    out, run_dir = fit(tmp_path, demo_data, preset, "run", "--trainer.callbacks+=tests.helpers.recorder.PredictAtEnd", *extra)
-    assert out.returncode == 0, out.stderr[-4000:]
-    if extra:
+def test_every_preset_trains_validates_and_writes_a_plain_model(preset, uninterrupted):
+    out, run_dir = uninterrupted(preset)
+    if preset == "zero1":
         assert "checkpoint.async_save is for strategies where rank 0 writes the whole checkpoint; " \
                "DeepSpeedStrategy saves synchronously" in out.stderr
     assert "no validation metrics" not in out.stdout + out.stderr and "val/acc" in out.stdout + out.stderr
     newest = run_dir / "checkpoints" / checkpoint_name(END)
     assert (newest / MARKER).is_file() and (newest / STATE).is_dir(), "a DeepSpeed folder, marked complete"
-    net = plain_net(torch.load(run_dir / "model.pt", weights_only=True))
+    net = plain_net(weights(run_dir))
     x = torch.randn(3, 3, 24, 40, generator=torch.Generator().manual_seed(0))
     sharded = torch.tensor(json.loads((run_dir / "predictions-rank0.json").read_text()))
     with torch.no_grad():
@@ -55,27 +82,42 @@ def test_every_preset_trains_validates_and_writes_a_plain_model(preset, tmp_path
 
 
 @pytest.mark.parametrize("preset", ["zero2", "zero3"])
-def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(preset, tmp_path, demo_data):
-    straight, straight_dir = fit(tmp_path, demo_data, preset, "straight")
-    assert straight.returncode == 0, straight.stderr[-4000:]
+def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(preset, tmp_path, demo_data, uninterrupted):
+    straight = weights(uninterrupted(preset)[1])
     killed, run_dir = fit(tmp_path, demo_data, preset, "killed", "--trainer.callbacks+=tests.helpers.recorder.KillRankAtStep",
                           "--trainer.callbacks.step", str(KILL))
     assert killed.returncode == ExitCode.PROCESS_DIED, killed.stderr[-4000:]
     resumed, _ = fit(tmp_path, demo_data, preset, "killed")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"resuming from {run_dir / 'checkpoints' / checkpoint_name(EVERY)}" in resumed.stdout + resumed.stderr
-    a = torch.load(straight_dir / "model.pt", weights_only=True)
-    b = torch.load(run_dir / "model.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs after the resume"
+    assert_equal(straight, weights(run_dir), "after the resume")
     if preset == "zero3":  # and a ZeRO-3 checkpoint exports to the same plain model
         exported = tmp_path / "exported.pt"
         out = lit_dist("export", str(run_dir / "checkpoints" / checkpoint_name(END)), "--output", str(exported))
         assert out.returncode == 0, out.stderr[-3000:]
-        c = torch.load(exported, weights_only=True)
-        for key in a:
-            assert torch.equal(a[key], c[key]), f"{key} differs in the export"
+        assert_equal(straight, torch.load(exported, weights_only=True), "in the export")
+
+
+def test_a_preempted_run_saves_at_a_step_boundary_and_rotation_keeps_what_it_resumed_from(tmp_path, demo_data,
+                                                                                            uninterrupted):
+    straight = weights(uninterrupted("zero3")[1])
+    # SIGUSR1 on rank 1 after step 2; with a run-control window of 2 steps both ranks stop together at most 3 steps later.
+    stopped, run_dir = fit(tmp_path, demo_data, "zero3", "pre", "--control.sync_every_n_steps", "2",
+                           "--checkpoint.every_n_steps", "100",
+                           "--trainer.callbacks+=tests.helpers.recorder.SignalRankAtStep", "--trainer.callbacks.step", "2")
+    assert stopped.returncode == ExitCode.PREEMPTED, stopped.stderr[-4000:]
+    store = CheckpointStore(str(run_dir / "checkpoints"))
+    (source,) = store.complete()
+    step = int(source.rsplit("-", 1)[1])
+    assert 2 < step <= 5, source  # no save was scheduled before step 100: this one is the preemption's
+    assert store.manifest(source)["reason"] == "preemption" and (run_dir / "checkpoints" / source / STATE).is_dir()
+    # Resumed with a save every step and only 2 kept: every save after the first rotates, never the source away.
+    resumed, _ = fit(tmp_path, demo_data, "zero3", "pre", "--checkpoint.every_n_steps", "1",
+                     "--checkpoint.keep_last_n", "2", "--checkpoint.keep_best_k", "0")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming from {run_dir / 'checkpoints' / source}" in resumed.stdout + resumed.stderr
+    assert store.complete() == [checkpoint_name(END), checkpoint_name(END - 1), source]
+    assert_equal(straight, weights(run_dir), "after the preemption")
 
 
 def test_a_deepspeed_json_that_disagrees_with_the_run_is_refused_before_any_process_starts(tmp_path, demo_data):
