@@ -9,7 +9,7 @@ from lit_dist.errors import ExitCode
 from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.http_server import Recorder
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.serial]  # polls on a clock
 
 
 def test_a_fault_on_rank_1_stops_both_ranks_and_rank_1_reports_it(tmp_path, demo_data):

@@ -12,7 +12,7 @@ from lit_dist.errors import ExitCode
 from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.processes import left_after
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.serial]  # 4 s step limits, 10 s bounds
 
 BOUND_S = 10.0  # README, "Faults": every process of a run is gone this long after the job exits
 

@@ -9,7 +9,7 @@ from PIL import Image
 from lit_dist.errors import ExitCode
 from tests.conftest import lit_dist, quickstart_args
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.serial]  # measures speed-up
 
 
 def test_scale_measures_one_and_two_processes_and_reports_speedup_and_efficiency(tmp_path, demo_data):

@@ -8,7 +8,7 @@ import pytest
 from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.http_server import Recorder
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.serial]  # compares ranks' step times
 
 
 def _fit(tmp_path, demo_data, run_id: str, slow_rank: int, devices: int = 3, threshold: float = 1.15):

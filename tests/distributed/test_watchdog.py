@@ -10,7 +10,7 @@ from lit_dist.errors import ExitCode
 from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.http_server import Recorder
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.serial]  # step limits of a few seconds
 
 
 def test_a_rank_blocked_in_a_step_is_named_and_every_rank_exits_12_with_its_stacks(tmp_path, demo_data):

@@ -1,6 +1,6 @@
 """SIGKILL during saves, many times: no torn file at a final path, and ``ckpt_path: auto`` always resumes.
 
-16 kills by default (about 45 s; ``LIT_DIST_KILLS=200`` for a longer run). Half of them land a
+10 kills by default (about 30 s; ``LIT_DIST_KILLS=200`` for a longer run). Half of them land a
 random moment into a save, half at any moment (start-up, loading, training, saving); one round in
 three saves asynchronously. See tests/helpers/kill_driver.py.
 """
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def test_killed_saves_never_leave_a_torn_checkpoint_and_training_resumes(tmp_path, demo_data):
-    kills = int(os.environ.get("LIT_DIST_KILLS", 16))
+    kills = int(os.environ.get("LIT_DIST_KILLS", 10))
     out = subprocess.run([sys.executable, "-m", "tests.helpers.kill_driver", str(tmp_path), str(demo_data), str(kills), "0"],
                          cwd=REPO, capture_output=True, text=True, timeout=60 + 10 * kills)
     assert out.returncode == 0, out.stderr[-3000:]

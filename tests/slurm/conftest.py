@@ -17,6 +17,7 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/slurm/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.slurm)
+            item.add_marker(pytest.mark.serial)  # one cluster, one set of emulated nodes per machine
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,7 @@ def test_flops_per_sample_of_the_reference_cnn_equal_a_hand_count():
     assert progress.flops_per_sample == {(3, 32, 48): forward + backward}
 
 
+@pytest.mark.serial  # a share of wall time
 def test_data_wait_is_near_one_with_a_slow_loader_and_near_zero_in_memory():
     # Steps of ~30 ms on this CPU. The in-memory figure is not 0: the wait, as the loop sees it, also holds
     # Lightning's own work between two steps (~4 ms here: 0.13 to 0.15 measured).
