@@ -23,7 +23,8 @@ Metrics it logs:
 
 (Throughput, FLOPs and MFU come from ``lit_dist.callbacks.progress``, in every run.)
 
-To train something other than a classifier, subclass it and override
+What a batch becomes is ``model.objective`` (lit_dist.objectives): classification by default,
+flow matching or diffusion for a denoiser. For anything else, subclass it and override
 ``compute_loss``; name the subclass as ``model.class_path``.
 """
 
@@ -37,6 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lit_dist.errors import ConfigError
+from lit_dist.objectives import Classification, Objective
 
 
 def lr_scale_factor(mode: str, effective_batch: int, base_batch: int) -> float:
@@ -54,6 +56,7 @@ class LitModel(LightningModule):
         self,
         net: nn.Module,
         loss: nn.Module | None = None,
+        objective: Objective | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
@@ -68,7 +71,8 @@ class LitModel(LightningModule):
 
         Args:
             net: The network to train; any torch.nn.Module, given by class_path and init_args.
-            loss: Loss module called as loss(net_output, target); default: cross-entropy.
+            loss: Classification loss module called as loss(logits, target); default: cross-entropy.
+            objective: What a batch becomes (lit_dist.objectives): Classification (default), FlowMatching or Diffusion.
             optimizer: Optimizer class_path and init_args; its lr is the LR at base_batch_size.
             lr_scheduler: LR scheduler class_path and init_args, stepped once per optimizer step.
             lr_scaling: Scale the optimizer's lr by the effective batch / base_batch_size: none, linear or sqrt.
@@ -91,14 +95,18 @@ class LitModel(LightningModule):
         if float32_matmul_precision not in ("highest", "high", "medium"):
             problems.append(f"model.float32_matmul_precision = {float32_matmul_precision!r}: must be highest, high "
                             "or medium")
+        if objective is not None and loss is not None:
+            problems.append("model.loss is the classification loss; with model.objective set, give it as "
+                            "model.objective.init_args.loss (Classification) or leave it out")
         ConfigError.collect(problems)
         if torch.cuda.is_available():
             # Process-wide, and before the Trainer sets up its device (which warns about tensor cores
             # left unused); every process of a run builds its own LitModel, so each gets it.
             torch.set_float32_matmul_precision(float32_matmul_precision)
-        self.save_hyperparameters(ignore=["net", "loss"])
+        self.save_hyperparameters(ignore=["net", "loss", "objective"])
         self.net = net
-        self.loss = loss if loss is not None else nn.CrossEntropyLoss()
+        self.objective = objective if objective is not None else Classification(loss)
+        self.objective.bind(input_key, target_key)
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.lr_scaling = lr_scaling
@@ -114,13 +122,9 @@ class LitModel(LightningModule):
         return self.net(x)
 
     def compute_loss(self, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss of one batch and extra per-batch metrics (means over the batch). Override for other tasks."""
-        logits = self.net(batch[self.input_key])  # (B, num_classes)
-        target = batch[self.target_key]  # (B,)
-        loss = self.loss(logits, target)
-        with torch.no_grad():
-            acc = (logits.argmax(dim=-1) == target).float().mean()
-        return loss, {"acc": acc}
+        """Loss of one batch and extra per-batch metrics (means over the batch): the objective's, in training
+        (self.training) or in evaluation. Override for other tasks."""
+        return self.objective.loss(self.net, batch, train=self.training)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -241,8 +245,7 @@ class LitModel(LightningModule):
         self._eval_sums = None
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict[str, torch.Tensor]:
-        logits = self.net(batch[self.input_key])  # (B, num_classes)
-        out = {"prediction": logits.argmax(dim=-1), "probability": logits.softmax(-1).amax(-1)}
+        out = self.objective.predict(self.net, batch)
         if "row" in batch:  # BucketDataModule's batches say which metadata row each sample is
             out["row"] = batch["row"]
         return out

@@ -1,0 +1,201 @@
+"""The objectives of lit_dist.objectives, checked against their definitions and diffusers' own schedule: what a
+denoiser is given, what it is asked to predict, how timesteps are drawn and weighted, condition dropout, and a
+validation loss that does not depend on how samples fall into batches."""
+
+import pytest
+import torch
+from torch import nn
+
+from lit_dist.errors import ConfigError
+from lit_dist.models import TinyUNet
+from lit_dist.module import LitModel
+from lit_dist.objectives import Classification, Diffusion, FlowMatching
+
+pytestmark = pytest.mark.unit
+
+
+class Recorder(nn.Module):
+    """A denoiser that records what it was given and predicts ``prediction`` (zeros by default)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+        self.prediction = None
+
+    def forward(self, x, timestep, condition):
+        self.calls.append((x.clone(), timestep.clone(), condition))
+        return torch.zeros_like(x) if self.prediction is None else self.prediction
+
+
+def batch(n=4, label=False, rows=None):
+    g = torch.Generator().manual_seed(1)
+    out = {"image": torch.randn(n, 3, 8, 12, generator=g), "caption_embedding": torch.randn(n, 5, 16, generator=g),
+           "label": torch.arange(n) % 3}
+    if rows is not None:
+        out["row"] = torch.tensor(rows)
+    return out
+
+
+def bound(objective):
+    objective.bind("image", "label")
+    return objective
+
+
+def test_flow_matching_interpolates_to_the_noise_and_asks_for_the_velocity():
+    objective, net = bound(FlowMatching(condition_dropout=0.0)), Recorder()
+    x0 = batch()["image"]
+    noise, t = torch.randn_like(x0), torch.tensor([0.1, 0.4, 0.7, 0.95])
+    net.prediction = noise - x0
+    assert torch.allclose(objective.per_sample_loss(net, x0, noise, t, None), torch.zeros(4), atol=1e-12)
+    x_t, timestep, _ = net.calls[0]
+    tt = t.view(-1, 1, 1, 1)
+    torch.testing.assert_close(x_t, (1 - tt) * x0 + tt * noise)
+    torch.testing.assert_close(timestep, t * 1000)  # diffusers' scale
+    net.prediction = None  # predicting zeros costs the velocity's mean square
+    expected = ((noise - x0) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(objective.per_sample_loss(net, x0, noise, t, None), expected)
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_diffusion_noises_and_targets_as_diffusers_ddpm_schedule_does(prediction):
+    from diffusers import DDPMScheduler
+
+    objective, net = bound(Diffusion(prediction=prediction, condition="none")), Recorder()
+    reference = DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", prediction_type=prediction)
+    x0 = batch()["image"]
+    noise, t = torch.randn_like(x0), torch.tensor([0.0, 0.25, 0.5, 0.999])
+    steps = torch.tensor([0, 250, 500, 999])
+    target = noise if prediction == "epsilon" else reference.get_velocity(x0, noise, steps)
+    net.prediction = target
+    assert torch.allclose(objective.per_sample_loss(net, x0, noise, t, None), torch.zeros(4), atol=1e-10)
+    x_t, timestep, _ = net.calls[0]
+    torch.testing.assert_close(x_t, reference.add_noise(x0, noise, steps))
+    assert timestep.tolist() == [0.0, 250.0, 500.0, 999.0]
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_min_snr_gamma_weighs_each_timestep_by_min_snr_gamma_over_its_snr(prediction):
+    from diffusers import DDPMScheduler
+
+    gamma = 5.0
+    weighted = bound(Diffusion(prediction=prediction, snr_gamma=gamma, condition="none"))
+    plain = bound(Diffusion(prediction=prediction, condition="none"))
+    x0 = batch()["image"]
+    noise, t = torch.randn_like(x0), torch.tensor([0.01, 0.2, 0.6, 0.99])
+    ratio = weighted.per_sample_loss(Recorder(), x0, noise, t, None) / plain.per_sample_loss(Recorder(), x0, noise, t, None)
+    alphas = DDPMScheduler(beta_schedule="scaled_linear").alphas_cumprod[(t * 1000).long()]
+    snr = alphas / (1 - alphas)
+    expected = snr.clamp(max=gamma) / (snr if prediction == "epsilon" else snr + 1)
+    torch.testing.assert_close(ratio, expected)
+    assert ratio[0] < 0.1  # a nearly clean sample (SNR far above gamma) weighs little
+    if prediction == "epsilon":  # below gamma an epsilon loss keeps its full weight
+        assert ratio[-1] == pytest.approx(1.0)
+
+
+def test_timesteps_are_uniform_or_logit_normal_with_its_mean_and_std():
+    g = torch.Generator().manual_seed(0)
+    uniform = bound(FlowMatching(timesteps="uniform")).sample_t(20_000, "cpu", g)
+    assert 0 < uniform.min() and uniform.max() < 1 and abs(uniform.mean() - 0.5) < 0.01
+    t = bound(FlowMatching(timesteps="logit_normal", logit_mean=0.5, logit_std=0.8)).sample_t(20_000, "cpu", g)
+    logit = torch.log(t / (1 - t))
+    assert abs(logit.mean() - 0.5) < 0.03 and abs(logit.std() - 0.8) < 0.03
+
+
+def test_condition_dropout_drops_captions_to_zeros_and_labels_to_the_null_label_in_training_only():
+    torch.manual_seed(0)
+    b = batch(n=4000)
+    b["caption_embedding"] = torch.ones(4000, 5, 16)
+    captions = bound(FlowMatching(condition_dropout=0.25)).condition_of(b, train=True)
+    dropped = (captions == 0).all(dim=(1, 2))
+    assert ((captions == 1).all(dim=(1, 2)) | dropped).all() and abs(dropped.float().mean() - 0.25) < 0.03
+    labels = bound(FlowMatching(condition="label", condition_dropout=0.25, null_label=3)).condition_of(b, train=True)
+    assert abs((labels == 3).float().mean() - 0.25) < 0.03 and (labels[labels != 3] == b["label"][labels != 3]).all()
+    assert bound(FlowMatching(condition_dropout=0.25)).condition_of(b, train=False) is b["caption_embedding"]
+
+
+def test_the_validation_loss_is_the_same_whatever_batches_the_samples_fall_in():
+    objective = bound(FlowMatching(condition="none", eval_timesteps=4))
+    net = TinyUNet(in_channels=3, channels=(8, 16), embed_dim=16).eval()
+    whole = batch(n=4, rows=[10, 11, 12, 13])
+    with torch.no_grad():
+        together = objective.loss(net, whole, train=False)[0]
+        apart = [objective.loss(net, {k: v[i:i + 2] for k, v in whole.items()}, train=False)[0] for i in (0, 2)]
+        again = objective.loss(net, whole, train=False)[0]
+    assert together == again  # fixed timesteps and noises: comparable across validations and resumes
+    torch.testing.assert_close(together, sum(apart) / 2)
+
+
+def test_a_denoiser_that_returns_another_shape_is_a_config_error():
+    objective = bound(FlowMatching(condition="none"))
+
+    class Wrong(nn.Module):
+        def forward(self, x, timestep, condition):
+            return x.mean(1)
+
+    with pytest.raises(ConfigError, match=r"returned Tensor \(4, 8, 12\) for a noisy input of \(4, 3, 8, 12\)"):
+        objective.loss(Wrong(), batch(), train=True)
+
+
+def test_bad_objective_settings_are_config_errors_naming_each_field():
+    with pytest.raises(ConfigError) as caught:
+        FlowMatching(condition="text", condition_dropout=1.0, timesteps="cosine", logit_std=0)
+    for field in ("condition = 'text'", "condition_dropout = 1.0", "timesteps = 'cosine'", "logit_std = 0"):
+        assert field in str(caught.value)
+    with pytest.raises(ConfigError, match="needs model.objective.null_label"):
+        FlowMatching(condition="label", condition_dropout=0.1)
+    with pytest.raises(ConfigError, match="snr_gamma = 0"):
+        Diffusion(snr_gamma=0)
+    with pytest.raises(ConfigError, match="with model.objective set, give it as model.objective.init_args.loss"):
+        LitModel(net=nn.Linear(2, 2), loss=nn.MSELoss(), objective=FlowMatching())
+    objective = bound(FlowMatching(condition_key="t5"))
+    with pytest.raises(ConfigError, match=r"reads the batch key 't5', and the batches hold \['caption_embedding'"):
+        objective.loss(Recorder(), batch(), train=True)
+
+
+@pytest.mark.parametrize("condition", ["caption", "label"])
+def test_the_tiny_unet_learns_what_each_condition_asks_for(condition):
+    """Three labels (or captions) each name one flat colour; after training, the loss given the right condition is
+    well below the loss given another sample's: the denoiser reads its condition."""
+    torch.manual_seed(0)
+    colours = torch.tensor([[1.0, -1.0, -1.0], [-1.0, 1.0, -1.0], [-1.0, -1.0, 1.0]])
+    labels = torch.arange(12) % 3
+    captions = torch.randn(3, 4, 16)[labels]  # (12, 4 tokens, 16)
+    b = {"image": colours[labels][:, :, None, None].expand(12, 3, 8, 8).contiguous(), "label": labels,
+         "caption_embedding": captions, "row": torch.arange(12)}
+    objective = bound(FlowMatching(condition=condition, condition_dropout=0.0, timesteps="uniform"))
+    net = TinyUNet(channels=(16, 32), context_dim=16 if condition == "caption" else None,
+                   num_classes=3 if condition == "label" else None, embed_dim=32)
+    model = LitModel(net=net, objective=objective)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    for _ in range(80):
+        loss = model.compute_loss(b)[0]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    shifted = {**b, "label": b["label"].roll(1), "caption_embedding": b["caption_embedding"].roll(1, dims=0)}
+    with torch.no_grad():
+        right, wrong = model.compute_loss(b)[0], model.compute_loss(shifted)[0]
+    assert right < 0.5 * wrong, (right, wrong)
+
+
+def test_diffusers_unet_works_through_the_denoiser_signature():
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                                block_out_channels=(32, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+                                attention_head_dim=8, norm_num_groups=8)
+    objective = bound(Diffusion(prediction="v_prediction", condition_dropout=0.5))
+    loss, _ = objective.loss(unet, {k: v if k != "image" else v[..., :8] for k, v in batch().items()}, train=True)
+    loss.backward()
+    assert loss.item() > 0 and all(p.grad is not None for p in unet.parameters() if p.requires_grad)
+
+
+def test_classification_stays_the_default_with_its_loss_and_accuracy():
+    model = LitModel(net=nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 12, 3)))
+    assert isinstance(model.objective, Classification)
+    loss, metrics = model.compute_loss(batch())
+    assert loss.item() > 0 and set(metrics) == {"acc"}
+    assert set(model.predict_step(batch(), 0)) == {"prediction", "probability"}
