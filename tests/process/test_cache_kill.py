@@ -63,7 +63,8 @@ def test_killed_builds_never_leave_a_trusted_torn_shard_and_the_rebuild_finishes
 
     kills = int(os.environ.get("LIT_DIST_KILLS", 4))
     demo_data = tmp_path / "shapes" / "metadata.parquet"
-    create_shapes_dataset(str(demo_data), num_images=1200, seed=3)  # about 3 s of building, across several runs
+    images = 1200
+    create_shapes_dataset(str(demo_data), num_images=images, seed=3)  # about 3 s of building, across several runs
     config = write_config(tmp_path / "cfg.yaml", demo_data, tmp_path / "cache")
     rng = random.Random(0)
     seen_listed, during_build = [], 0
@@ -88,13 +89,14 @@ def test_killed_builds_never_leave_a_trusted_torn_shard_and_the_rebuild_finishes
         if proc.returncode == 0:
             break
     print({"kills": during_build, "listed_after_each": seen_listed})
-    assert during_build >= min(kills, 5), "the kills did not land during builds"
+    # Every kill but perhaps the one at "any moment" (the fourth) lands during a build.
+    assert during_build >= min(kills - 1, 5), "the kills did not land during builds"
     assert seen_listed[-1] > seen_listed[0] or seen_listed[0] > 0, "no build made progress between kills"
 
     out = lit_dist("cache", "--config", config, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     out = lit_dist("cache", "--config", config, "--check", cwd=tmp_path)
-    assert out.returncode == 0 and "pixels: 2000 of 2000 cached" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert out.returncode == 0 and f"pixels: {images} of {images} cached" in out.stdout, out.stdout + out.stderr[-2000:]
     leftovers = [p.name for p in (tmp_path / "cache" / "pixels" / "shards").iterdir()
                  if p.name.removesuffix(".index.arrow").removesuffix(".arrow")
                  not in {s["name"] for s in listed_shards(tmp_path / "cache")}]
