@@ -107,6 +107,10 @@ class LitModel(LightningModule):
         self.net = net
         self.objective = objective if objective is not None else Classification(loss)
         self.objective.bind(input_key, target_key)
+        if isinstance(self.objective, Classification):
+            # A submodule, as before objectives: a loss with buffers (class weights) moves to the device with the
+            # model, and its state_dict keys ("loss.*") stay where older checkpoints have them.
+            self.loss = self.objective.loss_fn
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.lr_scaling = lr_scaling

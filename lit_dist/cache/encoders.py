@@ -100,3 +100,63 @@ class VAEEncoder(nn.Module):
         else:
             latents = dist.sample(torch.Generator(x.device).manual_seed(self.seed))
         return latents * self.vae.config.scaling_factor  # (B, C, H / f, W / f)
+
+
+class TextEncoder(nn.Module):
+    """Token embeddings of a frozen transformers text encoder (T5's encoder or CLIP's text model), for
+    ``data.cache.caption_encoder``: captions -> (B, max_length, width), every caption padded or cut to
+    ``max_length`` tokens so that all have one shape."""
+
+    def __init__(self, pretrained: str | None = None, kind: Literal["t5", "clip"] = "t5", config: dict | None = None,
+                 subfolder: str | None = None, max_length: int = 64, seed: int = 0):
+        """Load or build the text encoder.
+
+        Args:
+            pretrained: A transformers model id or folder (e.g. google/t5-v1_1-base); its tokenizer comes with it.
+            kind: t5 (T5EncoderModel) or clip (CLIPTextModel).
+            config: Instead of pretrained: the model config's arguments, randomly initialised from ``seed``, with
+                ByT5's byte tokenizer (no vocabulary file to download; vocab_size must be at least 259).
+            subfolder: Subfolder of ``pretrained`` holding the text encoder (e.g. "text_encoder" of a pipeline).
+            max_length: Tokens per caption, padded or cut: the cached embedding is (max_length, width).
+            seed: Seed of the random initialisation (with config).
+        """
+        super().__init__()
+        try:
+            import transformers
+        except ImportError as exc:
+            raise ConfigError("data.cache.caption_encoder: TextEncoder needs transformers "
+                              "(pip install 'lit-dist[text]')") from exc
+        if (pretrained is None) == (config is None):
+            raise ConfigError("data.cache.caption_encoder.init_args: give TextEncoder exactly one of pretrained or config")
+        if kind not in ("t5", "clip"):
+            raise ConfigError(f"data.cache.caption_encoder.init_args.kind = {kind!r}: must be t5 or clip")
+        if max_length < 1:
+            raise ConfigError(f"data.cache.caption_encoder.init_args.max_length = {max_length}: must be at least 1")
+        model_class = transformers.T5EncoderModel if kind == "t5" else transformers.CLIPTextModel
+        if pretrained is not None:
+            kwargs = {"subfolder": subfolder} if subfolder else {}
+            self.model = model_class.from_pretrained(pretrained, **kwargs)
+            tokenizer_folder = {"subfolder": subfolder.replace("text_encoder", "tokenizer")} if subfolder else {}
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained, **tokenizer_folder)
+        else:
+            config_class = transformers.T5Config if kind == "t5" else transformers.CLIPTextConfig
+            # ByT5's tokenizer: UTF-8 bytes + 3 special ids, built in code (nothing downloaded).
+            self.tokenizer = transformers.ByT5Tokenizer()
+            if config.get("vocab_size", 0) < len(self.tokenizer):
+                raise ConfigError(f"data.cache.caption_encoder.init_args.config.vocab_size = {config.get('vocab_size')}: "
+                                  f"the byte tokenizer needs at least {len(self.tokenizer)}")
+            # The byte tokenizer's special ids, unless the config names others (CLIP's defaults are its BPE's).
+            ids = {"pad_token_id": self.tokenizer.pad_token_id, "eos_token_id": self.tokenizer.eos_token_id}
+            if kind == "clip":
+                ids["bos_token_id"] = None
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self.model = model_class(config_class(**{**ids, **config}))
+        self.max_length = max_length
+
+    def forward(self, texts: list[str]) -> torch.Tensor:
+        tokens = self.tokenizer(list(texts), padding="max_length", truncation=True, max_length=self.max_length,
+                                return_tensors="pt")
+        device = next(self.model.parameters()).device
+        out = self.model(input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device))
+        return out.last_hidden_state  # (B, max_length, width)

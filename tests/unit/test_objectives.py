@@ -199,3 +199,10 @@ def test_classification_stays_the_default_with_its_loss_and_accuracy():
     loss, metrics = model.compute_loss(batch())
     assert loss.item() > 0 and set(metrics) == {"acc"}
     assert set(model.predict_step(batch(), 0)) == {"prediction", "probability"}
+
+
+def test_a_classification_loss_with_buffers_stays_a_submodule_of_the_model():
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0]))
+    model = LitModel(net=nn.Linear(4, 3), loss=weighted)
+    assert model.loss is weighted and "loss.weight" in model.state_dict()  # moves with .to(device), as before
+    assert "loss.weight" in LitModel(net=nn.Linear(4, 3), objective=Classification(weighted)).state_dict()
