@@ -217,6 +217,15 @@ class RunConfigCLI(LitDistCLI):
     """Parses a run config and builds the model and data module, but no Trainer: nothing touches a GPU.
     ``instantiate_trainer()`` builds the Trainer for a command that needs one."""
 
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        # A run directory's config.yaml (what fit saved) holds fit's ckpt_path and weights_only: accepted, so
+        # that config works here as it is; these commands take a checkpoint, if any, as a flag of their own.
+        parser.add_argument("--ckpt_path", type=str | None, default=None,
+                            help="Ignored here (fit's, kept in a run directory's config.yaml).")
+        parser.add_argument("--weights_only", type=bool | None, default=None,
+                            help="Ignored here (fit's, kept in a run directory's config.yaml).")
+
     def instantiate_classes(self) -> None:
         self.config_init = self.parser.instantiate_classes(self.config)
         self.datamodule = self._get(self.config_init, "data")
@@ -370,6 +379,7 @@ def main(args: list[str] | None = None) -> None:
 
         processes.join_launcher()
         compat.observe_child_ranks(processes.ChildRanks.start_for)
+        compat.plain_console()
         silence_lightning_noise()
         code = _dispatch(argv)
         if code is not None:

@@ -44,6 +44,8 @@ COMMANDS = {
                      "efficiency per size, and a plot (--devices 1,2,4)", run_config=True),
     "preflight": Command("lit_dist.commands.preflight:preflight", "measure the allocation on every rank (matmul, "
                          "all-reduce, data reads, checkpoint writes, loader) and name the laggards", run_config=True),
+    "sample": Command("lit_dist.commands.sample:sample", "images from a generative run's checkpoint as a PNG grid "
+                      "(--prompt \"a red circle on a white background\" --num 8 --guidance 4)", run_config=True),
     "cache": Command("lit_dist.commands.cache:cache", "build the run's cache of pixels / encoder outputs on every rank "
                      "(--check: report on it)", run_config=True),
 }
