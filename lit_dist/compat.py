@@ -19,6 +19,7 @@ function                                Lightning internal
 ``collective_timeout_s``                ``strategy._timeout`` (DDP, FSDP, DeepSpeed, ModelParallel)
 ``collectives_issued``                  ``ProcessGroup._get_sequence_number_for_group`` (torch, not Lightning)
 ``observe_child_ranks``                 ``launchers.subprocess_script._launch_process_observer``
+``plain_console``                       ``trainer.connectors.callback_connector._RICH_AVAILABLE``
 ======================================  ==========================================================
 """
 
@@ -174,3 +175,15 @@ def observe_child_ranks(start) -> None:
     with _internal("launchers.subprocess_script._launch_process_observer"):
         subprocess_script._launch_process_observer  # noqa: B018 - fails here, not at launch, if renamed
     subprocess_script._launch_process_observer = start
+
+
+def plain_console() -> None:
+    """Lightning's default progress bar and model summary as without ``rich`` (TQDM, a plain table), whether or
+    not ``rich`` is installed: Lightning picks the Rich ones whenever the package is importable, and it comes with
+    many others (transformers via huggingface_hub and typer), so installing one of those would change the console
+    lit-dist's lines are written into. A RichProgressBar or RichModelSummary named in trainer.callbacks still works."""
+    from lightning.pytorch.trainer.connectors import callback_connector
+
+    with _internal("trainer.connectors.callback_connector._RICH_AVAILABLE"):
+        callback_connector._RICH_AVAILABLE  # noqa: B018 - fails here if renamed, not silently
+    callback_connector._RICH_AVAILABLE = False

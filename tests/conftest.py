@@ -10,6 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from lit_dist import compat
+
+# In-process trainers get the console the lit-dist command line sets up (TQDM and the plain model summary, with
+# or without rich installed).
+compat.plain_console()
+
 # Before any helper is imported: then a failed assert in tests/helpers/ shows its operands, as in a test module.
 pytest.register_assert_rewrite("tests.helpers")
 

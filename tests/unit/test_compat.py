@@ -139,3 +139,20 @@ def test_observe_child_ranks_replaces_the_observer_lightnings_launcher_starts():
     finally:
         subprocess_script._launch_process_observer = original
     assert seen == [["the children"]]
+
+
+def test_plain_console_makes_lightning_choose_tqdm_and_the_plain_summary_with_rich_installed():
+    pytest.importorskip("rich")
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelSummary, TQDMProgressBar
+    from lightning.pytorch.callbacks.rich_model_summary import RichModelSummary
+    from lightning.pytorch.trainer.connectors import callback_connector
+
+    original = callback_connector._RICH_AVAILABLE
+    try:
+        compat.plain_console()
+        trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    finally:
+        callback_connector._RICH_AVAILABLE = original
+    kinds = [type(c) for c in trainer.callbacks]
+    assert TQDMProgressBar in kinds and ModelSummary in kinds and RichModelSummary not in kinds, kinds
