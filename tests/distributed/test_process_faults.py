@@ -101,7 +101,9 @@ def test_a_read_that_blocks_in_a_loader_worker_is_named_with_the_workers_stack_a
     for name in blocked:
         os.remove(data / name)
         os.mkfifo(data / name)
-    out, left = run(tmp_path, data / "metadata.parquet", "--watchdog.timeout_s", "4", "--watchdog.heartbeat_s", "1",
+    # 8 s, not the 4 s of the tests above: a loader worker on a loaded machine can take 4 s for a batch before it
+    # reaches a FIFO (seen once in CI: the dump came while the worker was still reading real files).
+    out, left = run(tmp_path, data / "metadata.parquet", "--watchdog.timeout_s", "8", "--watchdog.heartbeat_s", "2",
                     "--watchdog.startup_timeout_s", "20", workers=1)
     assert out.returncode == ExitCode.HUNG, out.stderr[-3000:]
     assert "waiting for the batch" in out.stderr, out.stderr[-3000:]
