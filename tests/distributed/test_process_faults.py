@@ -12,7 +12,7 @@ from lit_dist.errors import ExitCode
 from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.processes import left_after
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.serial]  # 4 s step limits, 10 s bounds
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BOUND_S = 10.0  # README, "Faults": every process of a run is gone this long after the job exits
 
@@ -45,6 +45,7 @@ def test_a_loader_worker_killed_by_sigkill_is_named_with_its_rank_and_nothing_is
     assert not left, left
 
 
+@pytest.mark.serial  # step limits of a few seconds
 def test_a_rank_stuck_holding_the_gil_dumps_its_stack_and_every_process_ends(tmp_path, demo_data):
     # A step here takes well under a second: 4 s without one is a hang. Rank 1's last resort dumps its stacks
     # from C 4 + 2 x 1 + 5 = 11 s after its last step (watchdog.last_resort_after_s).
@@ -58,6 +59,7 @@ def test_a_rank_stuck_holding_the_gil_dumps_its_stack_and_every_process_ends(tmp
     assert not left, left
 
 
+@pytest.mark.serial  # step limits of a few seconds
 def test_a_rank_stuck_before_its_first_step_is_named_within_the_startup_deadline(tmp_path, demo_data):
     # Rank 1 holds the interpreter lock within a second of fit's start (before its watchdog's first heartbeat,
     # hence "never published"); 8 s leaves it room on a loaded machine. Its last resort dumps 8 + 2 x 1 + 5 s in.
@@ -87,6 +89,7 @@ def test_a_run_that_ends_leaves_no_process_behind(tmp_path, demo_data, code):
     assert not (tmp_path / "quickstart" / "r" / "hang").exists()  # no hang: no (empty) dump files either
 
 
+@pytest.mark.serial  # step limits of a few seconds
 def test_a_read_that_blocks_in_a_loader_worker_is_named_with_the_workers_stack_and_file(tmp_path, demo_data):
     # Every tenth training image becomes a FIFO nobody writes: a read of it blocks, as one on a hung mount does.
     import os

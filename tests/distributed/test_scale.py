@@ -9,9 +9,10 @@ from PIL import Image
 from lit_dist.errors import ExitCode
 from tests.conftest import lit_dist, quickstart_args
 
-pytestmark = [pytest.mark.distributed, pytest.mark.serial]  # measures speed-up
+pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.serial  # measures speed-up
 def test_scale_measures_one_and_two_processes_and_reports_speedup_and_efficiency(tmp_path, demo_data):
     args = quickstart_args(tmp_path, demo_data, data__num_workers=0, data__batch_size_per_device=8)
     out = lit_dist("scale", *args, "--devices", "1,2", "--steps", "36")
