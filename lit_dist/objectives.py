@@ -37,9 +37,6 @@ from lit_dist.errors import ConfigError
 class Objective:
     """How a batch becomes a loss (training and evaluation) and what prediction returns."""
 
-    #: Whether the network is a denoiser called as net(x_t, timestep, condition), rather than net(input).
-    generative = False
-
     def bind(self, input_key: str, target_key: str) -> None:
         """The batch keys the model was given (``model.input_key``, ``model.target_key``)."""
         self.input_key, self.target_key = input_key, target_key
@@ -92,8 +89,6 @@ def denoise(net: nn.Module, x: torch.Tensor, timestep: torch.Tensor, condition) 
 class Generative(Objective):
     """What flow matching and diffusion share: conditioning, its dropout, timestep sampling and a
     deterministic evaluation loss."""
-
-    generative = True
 
     def __init__(self, condition: Literal["caption", "label", "none"], condition_key: str | None,
                  condition_dropout: float, null_label: int | None, timesteps: str, logit_mean: float,
@@ -158,15 +153,14 @@ class Generative(Objective):
             return per_sample.mean(), {}
         # Evaluation: the same timesteps and noises for every sample at every validation (as torchtitan's
         # Flux does), so that the number compares across runs, resumes and world sizes.
-        return self.fixed_loss(net, x0, cond, batch.get("row")), {}
+        return self.fixed_losses(net, x0, cond, batch.get("row")).mean(), {}
 
-    def fixed_loss(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:
-        """Mean loss over ``eval_timesteps`` evenly spaced times, with noise seeded by each sample's row."""
-        times = (torch.arange(self.eval_timesteps, dtype=torch.float32) + 0.5) / self.eval_timesteps
-        total = x0.new_zeros(())
-        for t in times:
-            noise = torch.stack([self.eval_noise(x0[i], None if rows is None else int(rows[i])) for i in range(len(x0))])
-            total = total + self.per_sample_loss(net, x0, noise, t.to(x0.device).expand(len(x0)), cond).mean()
+    def fixed_losses(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:
+        """(B,) losses, each the mean over ``eval_timesteps`` evenly spaced times, with one noise per sample seeded
+        by its metadata row."""
+        noise = torch.stack([self.eval_noise(x0[i], None if rows is None else int(rows[i])) for i in range(len(x0))])
+        times = (torch.arange(self.eval_timesteps, dtype=torch.float32, device=x0.device) + 0.5) / self.eval_timesteps
+        total = sum(self.per_sample_loss(net, x0, noise, t.expand(len(x0)), cond) for t in times)
         return total / self.eval_timesteps
 
     def eval_noise(self, like: torch.Tensor, row: int | None) -> torch.Tensor:
@@ -178,14 +172,8 @@ class Generative(Objective):
         raise NotImplementedError
 
     def predict(self, net, batch):
-        x0 = batch[self.input_key]
-        return {"loss": torch.stack([self.fixed_loss(net, x0[i:i + 1], self._one(batch, i),
-                                                     None if "row" not in batch else batch["row"][i:i + 1])
-                                     for i in range(len(x0))])}
-
-    def _one(self, batch, i):
         cond = self.condition_of(batch, train=False)
-        return None if cond is None else cond[i:i + 1]
+        return {"loss": self.fixed_losses(net, batch[self.input_key], cond, batch.get("row"))}
 
 
 def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -265,10 +253,13 @@ class Diffusion(Generative):
         self.scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
                                        prediction_type=prediction)
         self.prediction, self.snr_gamma, self.num_train_timesteps = prediction, snr_gamma, num_train_timesteps
+        self._alphas_cumprod = self.scheduler.alphas_cumprod  # moved to the batches' device once, not every step
 
     def per_sample_loss(self, net, x0, noise, t, cond):
         steps = (t * self.num_train_timesteps).long().clamp_(0, self.num_train_timesteps - 1)
-        alphas = self.scheduler.alphas_cumprod.to(x0.device)[steps]  # (B,) float32
+        if self._alphas_cumprod.device != x0.device:
+            self._alphas_cumprod = self._alphas_cumprod.to(x0.device)
+        alphas = self._alphas_cumprod[steps]  # (B,) float32
         a = alphas.sqrt().view(-1, *[1] * (x0.dim() - 1))
         s = (1 - alphas).sqrt().view(-1, *[1] * (x0.dim() - 1))
         x_t = (a * x0.float() + s * noise.float()).to(x0.dtype)

@@ -32,7 +32,7 @@ def sample(cli, checkpoint: str, prompt: str | None = None, num: int = 4, guidan
         output: Where the PNG grid is written.
         trust_pickle: Unpickle whatever types the checkpoint names (only for a file you trust).
     """
-    from lit_dist.export import load_checkpoint_state
+    from lit_dist.export import load_checkpoint_state, strip_prefix
     from lit_dist.objectives import Generative
     from lit_dist.sampling import sample as draw
 
@@ -50,9 +50,8 @@ def sample(cli, checkpoint: str, prompt: str | None = None, num: int = 4, guidan
         raise DataError(f"checkpoint {checkpoint!r} does not exist")
     prompts = [p.strip() for p in (prompt or "").split(";") if p.strip()]
     condition = _condition(objective, data, prompts, num)
-    state = {k: v for k, v in load_checkpoint_state(checkpoint, trust_pickle).items() if k.startswith("net.")}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k.startswith("net.")]
+    missing, unexpected = model.net.load_state_dict(strip_prefix(load_checkpoint_state(checkpoint, trust_pickle)),
+                                                    strict=False)
     if missing or unexpected:
         raise DataError(f"checkpoint {checkpoint} does not fit model.net: {len(missing)} missing keys "
                         f"({', '.join(missing[:3])}), {len(unexpected)} unexpected ({', '.join(unexpected[:3])})")
@@ -89,13 +88,18 @@ def _condition(objective, data, prompts: list[str], num: int) -> torch.Tensor | 
 
 
 def _write_grid(pixels: torch.Tensor, rows: int, cols: int, path: str) -> None:
-    """``pixels`` (rows x cols, 3, H, W) as one PNG, row by row, written to a temporary name then renamed."""
+    """``pixels`` (rows x cols, 3, H, W) as one PNG, row by row, written whole or not at all (local or S3)."""
+    import io
+
     from PIL import Image
 
-    n, _, h, w = pixels.shape
+    from lit_dist.ckpt.files import filesystem, is_local, write_atomically
+
+    _, _, h, w = pixels.shape
     grid = pixels.view(rows, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, cols * w, 3)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp")
-    Image.fromarray(np.ascontiguousarray(grid.numpy())).save(tmp, format="PNG")
-    os.replace(tmp, path)
+    png = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(grid.numpy())).save(png, format="PNG")
+    fs, fs_path = filesystem(path if "://" in path else os.path.abspath(path))
+    if is_local(fs):  # an object store has no folders to make
+        os.makedirs(os.path.dirname(fs_path), exist_ok=True)
+    write_atomically(fs, fs_path, lambda f: f.write(png.getvalue()))
