@@ -23,7 +23,9 @@ class InMemoryData(LightningDataModule):
 
     def train_dataloader(self):
         dataset = [{"image": self.images[i], "label": self.labels[i]} for i in range(len(self.labels))]
-        return torch.utils.data.DataLoader(dataset, batch_size=self.batch_size_per_device, shuffle=True, num_workers=0)
+        # Pinned on GPUs, as BucketDataModule's: a copy from pageable memory makes the host wait for the device.
+        return torch.utils.data.DataLoader(dataset, batch_size=self.batch_size_per_device, shuffle=True, num_workers=0,
+                                           pin_memory=torch.cuda.is_available())
 
 
 class StepTimer(Callback):

@@ -120,6 +120,7 @@ class LitModel(LightningModule):
         self.input_key = input_key
         self.target_key = target_key
         self._eval_sums: torch.Tensor | None = None  # per-metric weighted sums, then the sample count
+        self._loss_in_bar = True  # see on_train_start
         self._eval_names: list[str] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,18 +203,27 @@ class LitModel(LightningModule):
 
     # -- steps -----------------------------------------------------------------------------
 
+    def on_train_start(self) -> None:
+        # Lightning copies every prog_bar metric to the host after every batch, bar or no bar: a host-device sync
+        # per step on GPUs (GPU tier). So the loss is a bar metric only where a bar shows it (a terminal); the
+        # plain progress lines read it once per line.
+        self._loss_in_bar = self.trainer.progress_bar_callback is not None
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, metrics = self.compute_loss(batch)
         batch_size = len(batch[self.input_key])
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        self.log("train/loss", loss, prog_bar=self._loss_in_bar, batch_size=batch_size)
         for name, value in metrics.items():
             self.log(f"train/{name}", value, batch_size=batch_size)
         return loss
 
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
         # Only on logging steps: nothing extra on the other steps' hot path (throughput: lit_dist.callbacks.progress).
-        if self.trainer.global_step % self.trainer.log_every_n_steps == 0:
-            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
+        # Straight to the loggers: self.log would copy the float to the device, a host-device sync (GPU tier).
+        trainer = self.trainer
+        if trainer.global_step % trainer.log_every_n_steps == 0 and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"train/lr": trainer.optimizers[0].param_groups[0]["lr"]}, step=trainer.global_step)
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch)
@@ -230,7 +240,9 @@ class LitModel(LightningModule):
     def _eval_step(self, batch: dict) -> None:
         loss, metrics = self.compute_loss(batch)
         # Padding batches (weight 0) keep ranks in step without being counted.
-        weight = batch["weight"].sum() if "weight" in batch else torch.tensor(float(len(batch[self.input_key])))
+        # In float32: under DeepSpeed's bf16 the weights arrive in bf16, where a sum over 256 is no longer exact.
+        weight = (batch["weight"].sum(dtype=torch.float32) if "weight" in batch
+                  else torch.full((), float(len(batch[self.input_key])), device=loss.device))
         values = torch.stack([loss.detach().float(), *(m.detach().float() for m in metrics.values())])
         sums = torch.cat([values * weight, weight.to(values).view(1)])  # (num_metrics + 1,)
         if self._eval_sums is None:

@@ -270,13 +270,14 @@ class GPUCircuitBreaker(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._report_fault()
-        if self.last is not None and trainer.global_step % trainer.log_every_n_steps == 0:
+        if self.last is not None and trainer.global_step % trainer.log_every_n_steps == 0 and trainer.is_global_zero:
             values = {"gpu/temperature_c": self.last.temperature_c, "gpu/power_w": self.last.power_w,
                       "gpu/memory_used_gb": self.last.memory_used_gb, "gpu/utilization": self.last.utilization,
                       "gpu/ecc_uncorrectable": self.last.ecc_uncorrectable}
-            for name, value in values.items():
-                if value is not None:
-                    pl_module.log(name, float(value), rank_zero_only=True)
+            values = {name: float(value) for name, value in values.items() if value is not None}
+            # Straight to the loggers: pl_module.log would copy each float to the GPU, a host-device sync each.
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=trainer.global_step)
 
     def _report_fault(self) -> None:
         """The rank that saw the fault publishes it, once, before the run stops."""

@@ -440,13 +440,16 @@ class BucketDataModule(LightningDataModule):
                 # Stored and sent in data.cache.encoder_dtype (half the bytes for bf16); the model gets float32,
                 # which autocast lowers again under mixed precision.
                 batch[key] = batch[key].float()
-        if "image" not in batch:  # only encoder outputs cached: nothing to normalise
-            return batch
-        image = batch["image"].permute(0, 3, 1, 2).float()  # (B, H, W, C) uint8 -> (B, C, H, W) float, 0..255
-        if self.mean.device != image.device:  # moved once, not every batch
-            self.mean, self.std = self.mean.to(image.device), self.std.to(image.device)
-        batch["image"] = (image - self.mean) / self.std
-        return batch
+        if "image" in batch:  # else only encoder outputs cached: nothing to normalise
+            image = batch["image"].permute(0, 3, 1, 2).float()  # (B, H, W, C) uint8 -> (B, C, H, W) float, 0..255
+            if self.mean.device != image.device:  # moved once, not every batch
+                self.mean, self.std = self.mean.to(image.device), self.std.to(image.device)
+            batch["image"] = (image - self.mean) / self.std
+        # Lightning's precision plugin casts a batch's floating tensors to the weights' dtype where the weights are
+        # not float32 (DeepSpeed's bf16, "bf16-true"), but before this hook, when images were still uint8:
+        # DeepSpeed's bf16 weights then met float32 images (GPU tier). Cast what this hook made float, as it would.
+        trainer = self.trainer
+        return trainer.precision_plugin.convert_input(batch) if trainer is not None else batch
 
     # -- resume -----------------------------------------------------------------------------
 

@@ -129,3 +129,14 @@ def test_a_deepspeed_json_that_disagrees_with_the_run_is_refused_before_any_proc
     assert "train_micro_batch_size_per_gpu = 4 but the run says 8 (data.batch_size_per_device)" in out.stderr
     assert "gradient_accumulation_steps = 1: remove it from the JSON" in out.stderr
     assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
+
+
+def test_bf16_weights_get_bf16_images_in_training_and_validation(tmp_path, demo_data):
+    # DeepSpeed keeps bf16 weights under bf16-mixed; the images become float only after the transfer to the device,
+    # after Lightning's precision plugin cast the batch: they must still reach the model in bf16 (GPU tier found it).
+    # GroupNorm: CPU batch norm refuses bf16 inputs beside the float32 running statistics (CUDA's takes them).
+    out, run_dir = fit(tmp_path, demo_data, "zero2", "bf16", "--trainer.precision", "bf16-mixed",
+                       "--model.net.init_args.norm", "group")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "val/acc" in out.stdout + out.stderr
+    assert {v.dtype for v in weights(run_dir).values()} <= {torch.float32, torch.int64}, "exported in float32"

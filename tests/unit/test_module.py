@@ -122,3 +122,16 @@ def test_float32_matmul_precision_applies_on_gpu_machines_only(monkeypatch):
             LitModel(SimpleCNN(), float32_matmul_precision="fast")
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("bar", [False, True])
+def test_the_loss_is_copied_to_the_host_every_step_only_for_a_progress_bar(bar, tmp_path):
+    # Lightning turns every prog_bar metric into a Python float after every batch, bar or no bar: on a GPU a
+    # host-device sync per step. Without a bar the loss must not be one (tests/gpu/test_sync.py sees the sync).
+    data = [{"image": torch.randn(3, 16, 16), "label": i % 4} for i in range(16)]
+    model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+    trainer = Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=bar,
+                      enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    assert ("train/loss" in trainer.progress_bar_metrics) is bar
+    assert "train/loss" in trainer.callback_metrics, "the plain progress lines and run.progress events read it"
