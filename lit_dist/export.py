@@ -26,6 +26,24 @@ def strip_prefix(state: dict, prefix: str = NET_PREFIX) -> dict:
     return dict(state)
 
 
+EMA_PREFIX = "ema.average."
+
+
+def network_state(state: dict, ema: bool = False) -> dict:
+    """The wrapped network's entries of a LitModel state dict; with ``ema``, its trainable parameters replaced by
+    their weight average (model.ema keeps it as ``ema.average.<parameter name>``). DataError where there is none."""
+    net = strip_prefix(state)
+    if not ema:
+        return net
+    averages = {k[len(EMA_PREFIX):]: v for k, v in state.items() if k.startswith(EMA_PREFIX)}
+    if not averages:
+        raise DataError("the checkpoint holds no weight average: its run had no model.ema (leave out --ema)")
+    unknown = sorted(set(averages) - set(net))
+    if unknown:
+        raise DataError(f"the checkpoint's weight average names parameters its network lacks: {', '.join(unknown[:3])}")
+    return net | averages
+
+
 def to_full_precision(state: dict) -> dict:
     """Floating-point tensors as float32 (half-precision training keeps bf16/fp16 copies), all on CPU."""
     return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous()

@@ -37,6 +37,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from lit_dist.ema import EMA
 from lit_dist.errors import ConfigError
 from lit_dist.objectives import Classification, Objective
 
@@ -57,6 +58,7 @@ class LitModel(LightningModule):
         net: nn.Module,
         loss: nn.Module | None = None,
         objective: Objective | None = None,
+        ema: EMA | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
@@ -73,6 +75,7 @@ class LitModel(LightningModule):
             net: The network to train; any torch.nn.Module, given by class_path and init_args.
             loss: Classification loss module called as loss(logits, target); default: cross-entropy.
             objective: What a batch becomes (lit_dist.objectives): Classification (default), FlowMatching or Diffusion.
+            ema: An exponential moving average of the network's weights (lit_dist.ema.EMA); null: none.
             optimizer: Optimizer class_path and init_args; its lr is the LR at base_batch_size.
             lr_scheduler: LR scheduler class_path and init_args, stepped once per optimizer step.
             lr_scaling: Scale the optimizer's lr by the effective batch / base_batch_size: none, linear or sqrt.
@@ -103,8 +106,9 @@ class LitModel(LightningModule):
             # Process-wide, and before the Trainer sets up its device (which warns about tensor cores
             # left unused); every process of a run builds its own LitModel, so each gets it.
             torch.set_float32_matmul_precision(float32_matmul_precision)
-        self.save_hyperparameters(ignore=["net", "loss", "objective"])
+        self.save_hyperparameters(ignore=["net", "loss", "objective", "ema"])
         self.net = net
+        self.ema = ema
         self.objective = objective if objective is not None else Classification(loss)
         self.objective.bind(input_key, target_key)
         if isinstance(self.objective, Classification):
@@ -140,6 +144,11 @@ class LitModel(LightningModule):
         if self.compile and not getattr(self, "_compiled", False):
             self.net.compile()  # in place: state_dict keys stay free of "_orig_mod."
             self._compiled = True
+        if self.ema is not None:
+            self.ema.attach(self.net)  # after sharding: the average is sharded as the parameters are
+            # DDP would broadcast rank 0's buffers before every forward: a whole model copy per step, for an
+            # average that every rank computes the same.
+            self._ddp_params_and_buffers_to_ignore = [f"ema.average.{name}" for name in self.ema.names]
 
     def effective_batch_size(self) -> int | None:
         """batch_size_per_device x world size x accumulate_grad_batches, once a trainer is attached."""
@@ -203,6 +212,34 @@ class LitModel(LightningModule):
 
     # -- steps -----------------------------------------------------------------------------
 
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.ema is not None:
+            self.ema.update(self.trainer.global_step + 1)  # Lightning counts this step once the hook returns
+
+    def on_validation_start(self) -> None:
+        if self.ema is not None and self.ema.evaluate and self.ema.started(self.trainer.global_step):
+            self.ema.swap_in()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.ema is not None and self.ema.swapped:
+            raise RuntimeError("lit-dist: a checkpoint was asked for while validation holds the weight average in the "
+                               "parameters; it would save the average as the raw weights")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("state_dict")
+        if state is None:  # a sharded checkpoint: the strategy loads the model itself
+            return
+        saved = [k for k in state if k.startswith("ema.average.")]
+        if self.ema is None:
+            for key in saved:  # averaged in an earlier run, not in this one
+                del state[key]
+        elif not saved and self.ema.names:
+            # Turned on at this resume: the average starts from the weights the run resumes with.
+            rank_zero_info("lit-dist: the checkpoint has no weight average (model.ema): it starts from its weights")
+            for name in self.ema.names:
+                state[f"ema.average.{name}"] = state[f"net.{name}"].detach().clone().float()
+
     def on_train_start(self) -> None:
         # Lightning copies every prog_bar metric to the host after every batch, bar or no bar: a host-device sync
         # per step on GPUs (GPU tier). So the loss is a bar metric only where a bar shows it (a terminal); the
@@ -233,6 +270,9 @@ class LitModel(LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val")
+        if self.ema is not None:
+            # The raw weights back before the callbacks' on_validation_end, where checkpoints are saved.
+            self.ema.swap_out()
 
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")

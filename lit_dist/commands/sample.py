@@ -18,7 +18,7 @@ from lit_dist.errors import ConfigError, DataError
 
 
 def sample(cli, checkpoint: str, prompt: str | None = None, num: int = 4, guidance: float = 4.0, steps: int = 30,
-           seed: int = 0, output: str = "samples.png", trust_pickle: bool = False) -> int:
+           seed: int = 0, output: str = "samples.png", ema: bool = False, trust_pickle: bool = False) -> int:
     """Images from a checkpoint of a generative run (model.objective FlowMatching or Diffusion), as a PNG grid.
 
     Args:
@@ -30,9 +30,10 @@ def sample(cli, checkpoint: str, prompt: str | None = None, num: int = 4, guidan
         steps: Sampler steps.
         seed: Seed of the initial noise: the same seed gives the same images.
         output: Where the PNG grid is written.
+        ema: Sample with the checkpoint's weight average (model.ema) instead of the trained weights.
         trust_pickle: Unpickle whatever types the checkpoint names (only for a file you trust).
     """
-    from lit_dist.export import load_checkpoint_state, strip_prefix
+    from lit_dist.export import load_checkpoint_state, network_state
     from lit_dist.objectives import Generative
     from lit_dist.sampling import sample as draw
 
@@ -50,7 +51,7 @@ def sample(cli, checkpoint: str, prompt: str | None = None, num: int = 4, guidan
         raise DataError(f"checkpoint {checkpoint!r} does not exist")
     prompts = [p.strip() for p in (prompt or "").split(";") if p.strip()]
     condition = _condition(objective, data, prompts, num)
-    missing, unexpected = model.net.load_state_dict(strip_prefix(load_checkpoint_state(checkpoint, trust_pickle)),
+    missing, unexpected = model.net.load_state_dict(network_state(load_checkpoint_state(checkpoint, trust_pickle), ema),
                                                     strict=False)
     if missing or unexpected:
         raise DataError(f"checkpoint {checkpoint} does not fit model.net: {len(missing)} missing keys "

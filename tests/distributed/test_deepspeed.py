@@ -129,6 +129,9 @@ def test_a_deepspeed_json_that_disagrees_with_the_run_is_refused_before_any_proc
     assert "train_micro_batch_size_per_gpu = 4 but the run says 8 (data.batch_size_per_device)" in out.stderr
     assert "gradient_accumulation_steps = 1: remove it from the JSON" in out.stderr
     assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
+    out, _ = fit(tmp_path, demo_data, "zero2", "ema", "--model.ema.decay", "0.999")
+    assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-3000:]
+    assert "model.ema does not work under DeepSpeed yet" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_bf16_weights_get_bf16_images_in_training_and_validation(tmp_path, demo_data):

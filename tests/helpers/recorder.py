@@ -341,3 +341,18 @@ class PredictAtEnd(Callback):
             out = pl_module.net(x.to(pl_module.device))
         pl_module.train()
         write_rank_json(trainer, "predictions", out.float().cpu().tolist())
+
+
+class EMAPlacement(Callback):
+    """Writes ``{run dir}/ema-rank{N}.json``: the values of model.ema's average this rank holds (local shards) and
+    the network's trainable values in all, and whether DDP broadcasts any of the average's buffers."""
+
+    def on_train_end(self, trainer, pl_module):
+        ema = pl_module.ema
+        buffers = [ema.average.get_buffer(name) for name in ema.names]
+        local = sum((b.to_local() if hasattr(b, "to_local") else b).numel() for b in buffers)
+        full = sum(p.numel() for p in pl_module.net.parameters() if p.requires_grad)
+        broadcast = getattr(trainer.strategy.model, "modules_buffers", [])
+        ours = {b.data_ptr() for b in buffers}
+        write_rank_json(trainer, "ema", {"local": local, "full": full,
+                                         "broadcast": any(b.data_ptr() in ours for b in broadcast)})

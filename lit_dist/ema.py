@@ -1,0 +1,159 @@
+"""``EMA``: an exponential moving average of the network's weights, kept where the weights live.
+
+Example (YAML)::
+
+    model:
+      ema:
+        decay: 0.9999
+        start_step: 1000
+
+The average is one float32 buffer per trainable parameter of ``model.net``, named as the parameter
+(``ema.average.blocks.0.weight`` beside ``net.blocks.0.weight`` in the state dict), so that
+
+- it is where the parameter is: a whole copy on every rank under DDP (left out of DDP's buffer
+  broadcast: every rank computes the same average), the same shards as the parameters under FSDP2
+  (a clone of the local shard, a DTensor like it: 1/world of the model per rank);
+- it is saved and restored with the model under every strategy (sharded checkpoints included), so
+  that a resumed run is bitwise the uninterrupted one, average included, and ``lit-dist export
+  --ema`` writes the network with averaged weights;
+- it is keyed by name: a checkpoint whose network gained or lost parameters restores the ones it
+  has, never a shifted list (SimpleTuner #1497); frozen parameters (a VAE, a text encoder) have none.
+
+It is updated after optimizer steps ``start_step``, ``start_step + every_n_steps``, ... with one
+``torch._foreach_lerp_`` over the local tensors: no host-device synchronisation, no gather. The first
+update copies the weights; update k (k >= 1) keeps ``decay_k = min(decay, 1 - (1 + k) ** -warmup_power)``
+of the average (diffusers' EMA warm-up), or ``decay`` itself when ``warmup_power`` is null. Validation
+and sampling use the average once it has started (``evaluate``), the raw weights before.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from lit_dist.errors import ConfigError
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself; detached either way."""
+    return tensor.to_local().detach() if hasattr(tensor, "to_local") else tensor.detach()
+
+
+class EMA(nn.Module):
+    """Exponential moving average of the network's trainable parameters (model.ema)."""
+
+    def __init__(self, decay: float = 0.9999, every_n_steps: int = 1, start_step: int = 0,
+                 warmup_power: float | None = 2 / 3, evaluate: bool = True):
+        """Weight averaging.
+
+        Args:
+            decay: The share of the average kept at each update (0.999 to 0.9999 are usual).
+            every_n_steps: Update after every this many optimizer steps.
+            start_step: The first update (a copy of the weights) comes after this optimizer step or the next due one.
+            warmup_power: Decay warm-up: update k keeps min(decay, 1 - (1 + k) ** -warmup_power); null: decay throughout.
+            evaluate: Validate and sample with the average once it has started (raw weights before it).
+        """
+        super().__init__()
+        problems = []
+        if not 0.0 <= decay < 1.0:
+            problems.append(f"model.ema.decay = {decay}: must be in [0, 1), e.g. 0.9999")
+        if every_n_steps < 1:
+            problems.append(f"model.ema.every_n_steps = {every_n_steps}: must be >= 1")
+        if start_step < 0:
+            problems.append(f"model.ema.start_step = {start_step}: must be >= 0")
+        if warmup_power is not None and not warmup_power > 0:
+            problems.append(f"model.ema.warmup_power = {warmup_power}: must be > 0 (2/3 or 3/4 are usual), or null")
+        ConfigError.collect(problems)
+        self.decay, self.every_n_steps, self.start_step = decay, every_n_steps, start_step
+        self.warmup_power, self.evaluate = warmup_power, evaluate
+        # The first update: the first multiple of every_n_steps at or after start_step (optimizer steps count from 1).
+        self.first_step = math.ceil(max(start_step, 1) / every_n_steps) * every_n_steps
+        self.average = nn.Module()  # the buffers, under the parameters' own names
+        self.names: list[str] = []
+        self._params: list[nn.Parameter] = []
+        self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._raw: list[torch.Tensor] | None = None
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def attach(self, net: nn.Module) -> None:
+        """One float32 buffer per trainable parameter of ``net``, a clone of it where it is (a shard under FSDP2).
+        Call once the parameters are final (after sharding); a second call does nothing."""
+        if self.names:
+            return
+        for name, param in net.named_parameters():
+            if not param.requires_grad:
+                continue
+            *path, leaf = name.split(".")
+            owner: nn.Module = self.average
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            owner.register_buffer(leaf, param.detach().clone().float())
+            self.names.append(name)
+            self._params.append(param)
+        if not self.names:
+            raise ConfigError("model.ema is set but model.net has no trainable parameters to average")
+
+    def _apply(self, fn, recurse=True):
+        self._pairs = None  # .to(), .float(), ...: the buffers are new tensors
+        return super()._apply(fn, recurse)
+
+    def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(averages, parameters) as local float32 / parameter-dtype tensors, in the same order."""
+        if self._pairs is None:
+            averages = [_local(self.average.get_buffer(name)) for name in self.names]
+            self._pairs = (averages, [_local(p) for p in self._params])
+        return self._pairs
+
+    # -- the schedule (host integers only) --------------------------------------------------------------
+
+    def started(self, step: int) -> bool:
+        """Whether the average exists after optimizer step ``step`` (its first update, a copy, is done)."""
+        return bool(self.names) and step >= self.first_step
+
+    def weight(self, step: int) -> float | None:
+        """The lerp weight (1 - decay_k) of the update after optimizer step ``step``; None: no update then."""
+        if step < self.first_step or step % self.every_n_steps:
+            return None
+        k = (step - self.first_step) // self.every_n_steps
+        if k == 0:
+            return 1.0  # the first update copies the weights
+        decay = self.decay if self.warmup_power is None else min(self.decay, 1.0 - (1.0 + k) ** -self.warmup_power)
+        return 1.0 - decay
+
+    # -- every optimizer step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """Move the average towards the weights after optimizer step ``step``, if an update is due then."""
+        weight = self.weight(step)
+        if weight is None or not self.names:
+            return
+        averages, params = self._tensors()
+        if params[0].dtype != torch.float32:  # bf16 parameters (bf16-true): averaged in float32
+            params = [p.float() for p in params]
+        torch._foreach_lerp_(averages, params, weight)
+
+    # -- evaluation with the average --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def swap_in(self) -> None:
+        """Put the average into the parameters, keeping the raw weights to put back (``swap_out``)."""
+        averages, params = self._tensors()
+        self._raw = [p.clone() for p in params]
+        torch._foreach_copy_(params, averages)
+
+    @property
+    def swapped(self) -> bool:
+        """Whether the parameters hold the average (between swap_in and swap_out)."""
+        return self._raw is not None
+
+    @torch.no_grad()
+    def swap_out(self) -> None:
+        """Put the raw weights back, bitwise."""
+        if self._raw is None:
+            return
+        torch._foreach_copy_(self._tensors()[1], self._raw)
+        self._raw = None

@@ -1,0 +1,175 @@
+"""model.ema: the schedule against diffusers' EMAModel, the average a Trainer keeps against one computed by hand
+from the weights after every optimizer step (gradient accumulation included), validation on the average once it
+has started and on the raw weights before, the raw weights back bitwise after it, frozen parameters left out,
+export and sample flags, bad settings."""
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch import nn
+
+from lit_dist.ema import EMA
+from lit_dist.errors import ConfigError, DataError
+from lit_dist.export import network_state
+from lit_dist.models import SimpleCNN
+from lit_dist.module import LitModel
+
+
+def test_the_schedule_matches_diffusers_ema_model():
+    diffusers = pytest.importorskip("diffusers.training_utils")
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    ours = EMA(decay=0.999, start_step=3, warmup_power=0.75)
+    ours.attach(net)
+    # diffusers copies the weights until update_after_step + 1, then warms up as update 1, 2, ...
+    theirs = diffusers.EMAModel(net.parameters(), decay=0.999, min_decay=0.0, update_after_step=2, use_ema_warmup=True,
+                                inv_gamma=1.0, power=0.75)
+    for step in range(1, 40):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        ours.update(step)
+        theirs.step(net.parameters())
+    for name, shadow in zip(ours.names, theirs.shadow_params, strict=True):
+        torch.testing.assert_close(ours.average.get_buffer(name), shadow, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("start", "every", "first"), [(0, 1, 1), (5, 1, 5), (5, 4, 8), (8, 4, 8)])
+def test_the_first_update_copies_and_comes_at_the_first_due_step(start, every, first):
+    ema = EMA(decay=0.9, start_step=start, every_n_steps=every, warmup_power=None)
+    assert ema.first_step == first
+    assert [s for s in range(1, 20) if ema.weight(s) is not None][0] == first
+    assert ema.weight(first) == 1.0 and ema.weight(first + every) == pytest.approx(0.1)
+    assert all(ema.weight(s) is None for s in range(first + 1, first + every))
+
+
+class Snapshots(Callback):
+    """The trainable weights after every optimizer step; at each validation batch, the weights validated with."""
+
+    def __init__(self):
+        self.after_step, self.validated, self.before_validation, self.after_validation = {}, [], [], []
+        self._seen = None
+
+    @staticmethod
+    def weights(pl_module):
+        return [p.detach().clone() for p in pl_module.net.parameters() if p.requires_grad]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self._seen:
+            self._seen = trainer.global_step
+            self.after_step[trainer.global_step] = self.weights(pl_module)
+
+    def on_validation_start(self, trainer, pl_module):
+        self.before_validation.append((trainer.global_step, self.weights(pl_module)))
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0:
+            self.validated.append((trainer.global_step, self.weights(pl_module)))
+
+    def on_validation_end(self, trainer, pl_module):
+        self.after_validation.append(self.weights(pl_module))
+
+
+class FrozenStem(nn.Module):
+    """A frozen first layer (as a VAE or text encoder would be) before a trainable network."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 3, 1).requires_grad_(False)
+        self.body = SimpleCNN(num_classes=4)
+
+    def forward(self, x):
+        return self.body(self.stem(x))
+
+
+def fit_with_ema(tmp_path, ema, accumulate=1, steps=12):
+    torch.manual_seed(0)
+    data = [{"image": torch.randn(3, 16, 16), "label": i % 4} for i in range(64)]
+    model = LitModel(FrozenStem(), ema=ema, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    snaps = Snapshots()
+    trainer = Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, accumulate_grad_batches=accumulate, val_check_interval=4 * accumulate,
+                      limit_val_batches=1, num_sanity_val_steps=1, callbacks=[snaps], default_root_dir=tmp_path)
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    trainer.fit(model, loader, loader)
+    return model, snaps
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_average_is_the_hand_computed_one_and_validation_uses_it_once_started(tmp_path, accumulate):
+    ema = EMA(decay=0.8, start_step=3, every_n_steps=2, warmup_power=0.5)
+    model, snaps = fit_with_ema(tmp_path, ema, accumulate)
+    assert ema.names == [n for n, p in model.net.named_parameters() if p.requires_grad]
+    assert not any(n.startswith("stem.") for n in ema.names), "a frozen parameter has no average"
+
+    expected = None  # the average after each step, from the weights after each step, in float64
+    for step in sorted(snaps.after_step):
+        weight = ema.weight(step)
+        if weight is not None:
+            now = [w.double() for w in snaps.after_step[step]]
+            expected = now if expected is None else [e + weight * (w - e) for e, w in zip(expected, now, strict=True)]
+    averages = [ema.average.get_buffer(n) for n in ema.names]
+    for got, want in zip(averages, expected, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, w) for a, w in zip(averages, snaps.after_step[12], strict=True)), "it moved apart"
+
+    assert [step for step, _ in snaps.validated] == [0, 4, 8, 12]
+    for (step, validated), (_, before), after in zip(snaps.validated, snaps.before_validation, snaps.after_validation,
+                                                     strict=True):
+        if step <= ema.first_step:  # the sanity check at step 0: raw; the first update (step 4) copied them
+            assert all(torch.equal(v, b) for v, b in zip(validated, before, strict=True))
+        else:
+            assert not any(torch.equal(v, b) for v, b in zip(validated, before, strict=True)), f"step {step}: raw"
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), "raw weights back, bitwise"
+    final = snaps.validated[-1][1]  # validated at the last step: the final average
+    assert all(torch.equal(v, a) for v, a in zip(final, averages, strict=True))
+
+
+def test_evaluate_false_validates_the_raw_weights(tmp_path):
+    _, snaps = fit_with_ema(tmp_path, EMA(decay=0.8, evaluate=False))
+    for (_, validated), (_, before) in zip(snaps.validated, snaps.before_validation, strict=True):
+        assert all(torch.equal(v, b) for v, b in zip(validated, before, strict=True))
+
+
+def test_the_state_dict_names_the_average_like_the_parameters_and_export_picks_it(tmp_path):
+    model, _ = fit_with_ema(tmp_path, EMA(decay=0.8))
+    state = model.state_dict()
+    assert {k for k in state if k.startswith("ema.")} == {f"ema.average.{n}" for n in model.ema.names}
+    assert all(state[f"ema.average.{n}"].dtype == torch.float32 for n in model.ema.names)
+    raw, averaged = network_state(state), network_state(state, ema=True)
+    assert raw.keys() == averaged.keys()  # frozen stem and batch-norm statistics come from the network
+    assert torch.equal(averaged["stem.weight"], raw["stem.weight"])
+    assert torch.equal(averaged["body.head.weight"], state["ema.average.body.head.weight"])
+    assert not torch.equal(averaged["body.head.weight"], raw["body.head.weight"])
+    with pytest.raises(DataError, match="no weight average"):
+        network_state({k: v for k, v in state.items() if not k.startswith("ema.")}, ema=True)
+
+
+def test_a_checkpoint_without_an_average_starts_it_from_its_weights_and_one_with_it_loads_without(tmp_path):
+    model, _ = fit_with_ema(tmp_path, EMA(decay=0.8))
+    saved = {"state_dict": dict(model.state_dict())}
+    plain = {"state_dict": {k: v for k, v in saved["state_dict"].items() if not k.startswith("ema.")}}
+    again = LitModel(FrozenStem(), ema=EMA(decay=0.8))
+    again.configure_model()
+    again.on_load_checkpoint(plain)
+    again.load_state_dict(plain["state_dict"])  # strict
+    assert torch.equal(again.ema.average.get_buffer("body.head.weight"), plain["state_dict"]["net.body.head.weight"])
+    without = LitModel(FrozenStem())
+    without.on_load_checkpoint(saved)
+    without.load_state_dict(saved["state_dict"])  # strict: the average dropped
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("decay", 1.0, "model.ema.decay = 1.0: must be in [0, 1)"),
+    ("every_n_steps", 0, "model.ema.every_n_steps = 0: must be >= 1"),
+    ("start_step", -1, "model.ema.start_step = -1: must be >= 0"),
+    ("warmup_power", 0.0, "model.ema.warmup_power = 0.0: must be > 0"),
+])
+def test_bad_settings_name_the_field(field, value, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        EMA(**{field: value})
+
+
+def test_a_network_with_nothing_to_train_is_refused():
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        EMA().attach(nn.Linear(2, 2).requires_grad_(False))
