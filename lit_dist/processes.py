@@ -34,6 +34,10 @@ LAUNCHER_ENV = "LIT_DIST_LAUNCHER_PID"  # the pid of the lit-dist process that s
 _AGREED = {ExitCode.GPU_FAULT, ExitCode.PREEMPTED, ExitCode.HUNG, ExitCode.STRAGGLER, ExitCode.PREFLIGHT}
 AGREED_GRACE_S = 60.0  # how long rank 0 may take to finish an agreed end after a child has (save, requeue)
 GRACE_S = 3.0  # how long rank 0 may take to reach its own verdict after a child failed alone
+# Faults every rank meets at once (a sharded save on a full disk, a store that went away): rank 0 is on its way to
+# the same end and its own line; on a loaded machine it took over 3 s (CI), and the run then ended without it.
+_SHARED = {ExitCode.STORAGE_FULL, ExitCode.STORE_UNREACHABLE}
+SHARED_GRACE_S = 15.0
 _MEANINGS = {
     "SIGKILL": "what the kernel's out-of-memory killer sends: see `dmesg` or the job's memory accounting",
     "SIGSEGV": "a crash in native code",
@@ -148,7 +152,8 @@ class ChildRanks(threading.Thread):
             rank, pid, returncode = found
             # This process's own path usually gets there first (a broken collective reaches main(), which asks
             # blame_child); this is for a rank 0 that would otherwise wait on its dead peer.
-            time.sleep(AGREED_GRACE_S if run_code(returncode) in _AGREED else GRACE_S)
+            code = run_code(returncode)
+            time.sleep(AGREED_GRACE_S if code in _AGREED else SHARED_GRACE_S if code in _SHARED else GRACE_S)
             end_run(self.conclude(rank, pid, returncode))
 
 
