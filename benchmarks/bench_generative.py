@@ -40,7 +40,7 @@ def lit_dist(*args: str) -> subprocess.CompletedProcess:
     return out
 
 
-def latent(args, tmp: str, table: str, common: list[str]) -> dict:
+def latent(args, tmp: str, common: list[str]) -> dict:
     latent = ["--config", "configs/latent_quickstart.yaml", "--data.cache.dir", os.path.join(tmp, "latent-cache")]
     began = time.perf_counter()
     lit_dist("cache", *latent, *common)
@@ -56,7 +56,7 @@ def latent(args, tmp: str, table: str, common: list[str]) -> dict:
     return {"latent_ratio": round(ratio, 3), "latent_steps_per_s": steps, "latent_cache_build_s": round(cache_s, 1)}
 
 
-def t2i(args, tmp: str, table: str, common: list[str]) -> dict:
+def t2i(args, tmp: str, common: list[str]) -> dict:
     t2i = ["--config", "configs/t2i_quickstart.yaml", "--data.cache.dir", os.path.join(tmp, "t2i-cache")]
     lit_dist("cache", *t2i, *common)
     r = run_bench([sys.executable, "-m", "lit_dist", "fit", *t2i, *common, *TIMER, "--trainer.max_epochs",
@@ -136,9 +136,9 @@ def main() -> None:
         create_shapes_dataset(table, num_images=args.images, seed=0)
     figures: dict = {}
     if "latent" in args.parts:
-        figures |= latent(args, tmp, table, common)
+        figures |= latent(args, tmp, common)
     if "t2i" in args.parts:
-        figures |= t2i(args, tmp, table, common)
+        figures |= t2i(args, tmp, common)
     if "ema" in args.parts:
         figures |= ema(args, tmp)
     checks = {name: (value >= target if op == ">=" else value <= target)

@@ -181,7 +181,7 @@ def result_line(benchmark: str, ratio, target, met, **extra) -> None:
 
 class EMAMemory(Callback):
     """Prints ``BENCH {"ema_bytes": ...}``: the bytes of model.ema's average that rank 0 holds (its shards under
-    FSDP2, a whole copy under DDP), and ``net_bytes``, the network's trainable parameters in full."""
+    FSDP2, a whole copy under DDP)."""
 
     def on_train_end(self, trainer, pl_module):
         ema = pl_module.ema
@@ -190,6 +190,5 @@ class EMAMemory(Callback):
             buffer = ema.average.get_buffer(name)
             local = buffer.to_local() if hasattr(buffer, "to_local") else buffer
             held += local.numel() * local.element_size()
-        full = sum(p.numel() * 4 for p in pl_module.net.parameters() if p.requires_grad)
         if trainer.is_global_zero:
-            print("BENCH " + json.dumps({"ema_bytes": held, "net_bytes": full}), flush=True)
+            print("BENCH " + json.dumps({"ema_bytes": held}), flush=True)

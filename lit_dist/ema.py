@@ -16,14 +16,15 @@ The average is one float32 buffer per trainable parameter of ``model.net``, name
 - it is saved and restored with the model under every strategy (sharded checkpoints included), so
   that a resumed run is bitwise the uninterrupted one, average included, and ``lit-dist export
   --ema`` writes the network with averaged weights;
-- it is keyed by name: a checkpoint whose network gained or lost parameters restores the ones it
-  has, never a shifted list (SimpleTuner #1497); frozen parameters (a VAE, a text encoder) have none.
+- it is keyed by the parameters' names, never by their position (SimpleTuner #1497); frozen
+  parameters (a VAE, a text encoder) have none.
 
-It is updated after optimizer steps ``start_step``, ``start_step + every_n_steps``, ... with one
+It is updated after every ``every_n_steps``-th optimizer step from ``start_step`` on, with one
 ``torch._foreach_lerp_`` over the local tensors: no host-device synchronisation, no gather. The first
 update copies the weights; update k (k >= 1) keeps ``decay_k = min(decay, 1 - (1 + k) ** -warmup_power)``
 of the average (diffusers' EMA warm-up), or ``decay`` itself when ``warmup_power`` is null. Validation
-and sampling use the average once it has started (``evaluate``), the raw weights before.
+uses the average once it has started (``evaluate``), the raw weights before; ``lit-dist sample --ema``
+samples with it.
 """
 
 import math
@@ -51,7 +52,7 @@ class EMA(nn.Module):
             every_n_steps: Update after every this many optimizer steps.
             start_step: The first update (a copy of the weights) comes after this optimizer step or the next due one.
             warmup_power: Decay warm-up: update k keeps min(decay, 1 - (1 + k) ** -warmup_power); null: decay throughout.
-            evaluate: Validate and sample with the average once it has started (raw weights before it).
+            evaluate: Validate with the average once it has started (raw weights before it).
         """
         super().__init__()
         problems = []
@@ -129,7 +130,7 @@ class EMA(nn.Module):
     def update(self, step: int) -> None:
         """Move the average towards the weights after optimizer step ``step``, if an update is due then."""
         weight = self.weight(step)
-        if weight is None or not self.names:
+        if weight is None:
             return
         averages, params = self._tensors()
         if params[0].dtype != torch.float32:  # bf16 parameters (bf16-true): averaged in float32

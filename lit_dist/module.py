@@ -124,8 +124,8 @@ class LitModel(LightningModule):
         self.input_key = input_key
         self.target_key = target_key
         self._eval_sums: torch.Tensor | None = None  # per-metric weighted sums, then the sample count
-        self._loss_in_bar = True  # see on_train_start
         self._eval_names: list[str] = []
+        self._loss_in_bar = True  # see on_train_start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
