@@ -5,8 +5,12 @@ text-to-image quickstart with a sample grid, and what the weight average (model.
    step (configs/latent_on_the_fly.yaml), ``--epochs`` epochs each on ``--images`` demo shapes, steps/s after
    20 warm-up steps; the cache is built first by `lit-dist cache` (its time reported, not counted). Target
    >= 3x (as bench_cache's part 3, which also checks that both reach the same accuracy).
-2. t2i: configs/t2i_quickstart.yaml (TinyUNet, flow matching, T5 caption cache) for ``--t2i-epochs``
-   epochs: steps/s and the last training loss, then `lit-dist sample` of four prompts into ``--out``.
+2. t2i: configs/t2i_quickstart.yaml (TinyUNet, flow matching, T5 caption cache, model.ema) for ``--t2i-epochs``
+   epochs: steps/s and the last training loss. Then prompt adherence (lit_dist.adherence.ShapesJudge, with the
+   classification quickstart trained first as its classifier): `lit-dist sample` of 16 validation captions x 4
+   images, 30 steps, guidance 4, seeds 0 and 1, with the average and with the raw weights: target >= 0.8 with the
+   average on each seed, and the average not below the raw weights. And one grid (8 x 8 images) at a validation of
+   the checkpoint on 1 process vs 2, one thread each: target >= 1.7x.
 3. ema: steps/s of the quickstart's CNN (in-memory data, one process) with the average updated after every
    step vs without, ``--repeats`` runs each, alternating, medians: target >= 0.97. And the bytes of the
    average that rank 0 of 2 processes holds under FSDP2 vs DDP: target <= 0.55.
@@ -57,23 +61,87 @@ def latent(args, tmp: str, common: list[str]) -> dict:
 
 
 def t2i(args, tmp: str, common: list[str]) -> dict:
+    """Train the t2i quickstart; score its samples with the quickstart classifier (EMA and raw weights, two seeds);
+    time one grid on 1 process and on 2."""
+    judge = args.judge or train_judge(args, tmp, common)
+    scored = ["--samples.judge", "lit_dist.adherence.ShapesJudge", "--samples.judge.classifier", judge]
     t2i = ["--config", "configs/t2i_quickstart.yaml", "--data.cache.dir", os.path.join(tmp, "t2i-cache")]
     lit_dist("cache", *t2i, *common)
-    r = run_bench([sys.executable, "-m", "lit_dist", "fit", *t2i, *common, *TIMER, "--trainer.max_epochs",
-                   str(args.t2i_epochs), "--run.run_id", "t2i", "--checkpoint.every_n_epochs", str(args.t2i_epochs)])
-    run_dir = os.path.join(tmp, "runs", "t2i_quickstart", "t2i")
-    os.makedirs(args.out, exist_ok=True)
-    grid = os.path.join(args.out, "t2i-samples.png")
     began = time.perf_counter()
-    sampled = lit_dist("sample", "--config", os.path.join(run_dir, "config.yaml"), "--checkpoint",
-                       os.path.join(run_dir, "checkpoints"), "--prompt", PROMPTS, "--num", "6", "--steps", "30",
-                       "--guidance", "4", "--output", grid)
-    sample_s = time.perf_counter() - began
+    r = run_bench([sys.executable, "-m", "lit_dist", "fit", *t2i, *common, *TIMER, *scored, "--trainer.max_epochs",
+                   str(args.t2i_epochs), "--run.run_id", "t2i", "--checkpoint.every_n_epochs", str(args.t2i_epochs),
+                   "--trainer.callbacks+=benchmarks.common.SamplingTime"])
+    fit_s = time.perf_counter() - began
+    run_dir = os.path.join(tmp, "runs", "t2i_quickstart", "t2i")
     report = lit_dist("report", run_dir).stdout
     loss = re.search(r"train/loss: last ([\d.e+-]+)", report)
-    print(f"t2i quickstart {r['steps_per_s']:8.1f} steps/s, last train/loss {loss.group(1) if loss else '?'}; "
-          f"{sampled.stdout.strip().splitlines()[-1]} in {sample_s:.1f} s (command included)")
-    return {"t2i_steps_per_s": round(r["steps_per_s"], 2), "t2i_last_loss": float(loss.group(1)) if loss else None}
+    print(f"t2i quickstart: {args.t2i_epochs} epochs in {fit_s:.0f} s, {r['steps_per_s']:.1f} steps/s, last train/loss "
+          f"{loss.group(1) if loss else '?'}; its own grids' adherence {r['adherence']} in {r['sampling_s']} s")
+
+    # Adherence: 16 validation captions x 4 images, through `lit-dist sample`, as a user would score a checkpoint.
+    prompts = "; ".join(validation_captions(common, 16))
+    adherence: dict[str, list[float]] = {"ema": [], "raw": []}
+    os.makedirs(args.out, exist_ok=True)
+    for seed in (0, 1):
+        for weights in ("ema", "raw"):
+            grid = os.path.join(args.out, f"t2i-{weights}-seed{seed}.png")
+            out = lit_dist("sample", "--config", os.path.join(run_dir, "config.yaml"), "--checkpoint",
+                           os.path.join(run_dir, "checkpoints"), "--prompt", prompts, "--num", "4", "--steps", "30",
+                           "--guidance", "4", "--seed", str(seed), "--ema", str(weights == "ema").lower(), "--output",
+                           grid, *scored).stdout
+            adherence[weights].append(float(re.search(r"adherence ([\d.]+)", out).group(1)))
+            print(f"adherence, {weights} weights, seed {seed}: {adherence[weights][-1]:.3f} -> {grid}", flush=True)
+    worst_ema = min(adherence["ema"])
+    ema_not_worse = all(e >= r for e, r in zip(adherence["ema"], adherence["raw"], strict=True))
+    print(f"adherence with EMA {adherence['ema']} (target >= 0.8 each), raw {adherence['raw']}: EMA >= raw "
+          f"{'on both seeds' if ema_not_worse else 'NOT on both seeds'}")
+
+    # Sampling spread over ranks: one grid of 8 prompts x 8 images at a validation of the checkpoint, 1 process vs
+    # 2, one thread each (this VM has 2 cores: a process per core, as a GPU per rank).
+    seconds = {}
+    for devices in (1, 2):
+        cmd = [sys.executable, "-m", "lit_dist", "validate", "--config", os.path.join(run_dir, "config.yaml"),
+               "--ckpt_path", latest_state(run_dir), "--trainer.devices", str(devices), "--trainer.limit_val_batches",
+               "1", "--samples.at_validation", "true", "--samples.num_prompts", "8", "--samples.per_prompt", "8",
+               "--samples.steps", "30", "--samples.batch_size", "16", "--samples.judge", "null", "--run.run_id",
+               f"sampling-{devices}", "--trainer.callbacks+=benchmarks.common.SamplingTime"]
+        if devices == 2:
+            cmd += ["--trainer.strategy", "ddp"]
+        seconds[devices] = run_bench(cmd, env={"OMP_NUM_THREADS": "1"})["sampling_s"][0]
+        print(f"a grid of 64 images on {devices} process(es): {seconds[devices]:.2f} s", flush=True)
+    speedup = seconds[1] / seconds[2]
+    print(f"sampling 2 processes vs 1: {speedup:.2f}x (target >= 1.7)")
+    return {"t2i_steps_per_s": round(r["steps_per_s"], 2), "t2i_last_loss": float(loss.group(1)) if loss else None,
+            "adherence_ema": worst_ema, "adherence": adherence, "ema_not_worse": ema_not_worse,
+            "sampling_speedup": round(speedup, 3), "sampling_s": seconds}
+
+
+def train_judge(args, tmp: str, common: list[str]) -> str:
+    """The classification quickstart, trained once: its model.pt judges the samples (lit_dist.adherence)."""
+    began = time.perf_counter()
+    out = lit_dist("fit", "--config", "configs/quickstart.yaml", *common, "--trainer.limit_val_batches", "1.0",
+                   "--run.run_id", "judge")
+    acc = re.search(r"val/acc ([\d.]+)", out.stdout)
+    print(f"judge: the quickstart classifier in {time.perf_counter() - began:.0f} s, val/acc "
+          f"{acc.group(1) if acc else '?'}", flush=True)
+    return os.path.join(tmp, "runs", "quickstart", "judge", "model.pt")
+
+
+def validation_captions(common: list[str], n: int) -> list[str]:
+    """``n`` distinct captions of the demo table's validation rows, chosen by a fixed seed."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(common[common.index("--data.metadata") + 1], columns=["caption", "split"])
+    captions = sorted({c for c, s in zip(table["caption"].to_pylist(), table["split"].to_pylist(), strict=True)
+                       if s == "val"})
+    return [captions[i] for i in np.random.default_rng(0).choice(len(captions), size=n, replace=False)]
+
+
+def latest_state(run_dir: str) -> str:
+    folder = os.path.join(run_dir, "checkpoints")
+    with open(os.path.join(folder, "latest")) as f:
+        return os.path.join(folder, f.read().strip(), "state.ckpt")
 
 
 def ema(args, tmp: str) -> dict:
@@ -108,7 +176,8 @@ def ema(args, tmp: str) -> dict:
             "ema_steps_per_s": {k: round(v, 2) for k, v in med.items()}, "ema_bytes": held}
 
 
-TARGETS = {"latent_ratio": (">=", 3.0), "ema_step_ratio": (">=", 0.97), "ema_memory_ratio": ("<=", 0.55)}
+TARGETS = {"latent_ratio": (">=", 3.0), "adherence_ema": (">=", 0.8), "sampling_speedup": (">=", 1.7),
+           "ema_step_ratio": (">=", 0.97), "ema_memory_ratio": ("<=", 0.55)}
 
 
 def main() -> None:
@@ -117,7 +186,8 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["latent", "t2i", "ema"], choices=["latent", "t2i", "ema"])
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--epochs", type=int, default=3, help="epochs of each latent run")
-    parser.add_argument("--t2i-epochs", type=int, default=5)
+    parser.add_argument("--t2i-epochs", type=int, default=20, help="epochs of the t2i run (its config's 20)")
+    parser.add_argument("--judge", help="the quickstart classifier's model.pt; default: train it here (about a minute)")
     parser.add_argument("--ema-steps", type=int, default=300, help="steps of each EMA speed run")
     parser.add_argument("--repeats", type=int, default=5, help="EMA speed runs with and without, each")
     parser.add_argument("--out", default=".", help="where the sample grid is written (t2i-samples.png)")
@@ -143,6 +213,8 @@ def main() -> None:
         figures |= ema(args, tmp)
     checks = {name: (value >= target if op == ">=" else value <= target)
               for name, (op, target) in TARGETS.items() if (value := figures.get(name)) is not None}
+    if "ema_not_worse" in figures:
+        checks["ema_not_worse"] = figures["ema_not_worse"]
     primary = next((name for name in TARGETS if name in figures), None)
     result_line("generative", figures.get(primary), f"{TARGETS[primary][0]} {TARGETS[primary][1]}" if primary else None,
                 all(checks.values()) if checks else None, primary=primary, checks=checks, device=device, **figures)

@@ -57,10 +57,12 @@ def machine() -> str:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_bench(cmd: list[str]) -> dict:
-    """Run a benchmark command from the repository root: its ``BENCH`` lines merged, and
-    ``to_first_step_s`` where the run reports its first step. RuntimeError with its output if it fails."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+def run_bench(cmd: list[str], env: dict | None = None) -> dict:
+    """Run a benchmark command from the repository root (``env``: variables added to this one's): its ``BENCH``
+    lines merged, and ``to_first_step_s`` where the run reports its first step. RuntimeError with its output if it
+    fails."""
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     started = time.time()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
@@ -192,3 +194,28 @@ class EMAMemory(Callback):
             held += local.numel() * local.element_size()
         if trainer.is_global_zero:
             print("BENCH " + json.dumps({"ema_bytes": held}), flush=True)
+
+
+class SamplingTime(Callback):
+    """Prints ``BENCH {"sampling_s": [...], "adherence": [...]}`` on rank 0: what each ``samples.written`` event of
+    the run said (lit_dist.callbacks.samples), from the run control's publisher."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds, self.adherence = [], []
+
+    def connect(self, control) -> None:
+        control.subscribe(self)
+
+    def send(self, event) -> None:
+        if event.type == "samples.written":
+            self.seconds.append(event.data["seconds"])
+            if "adherence" in event.data:
+                self.adherence.append(event.data["adherence"])
+
+    def flush(self, timeout_s=None) -> bool:
+        return True
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if trainer.is_global_zero:
+            print("BENCH " + json.dumps({"sampling_s": self.seconds, "adherence": self.adherence}), flush=True)

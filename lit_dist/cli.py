@@ -65,6 +65,7 @@ class LitDistCLI(LightningCLI):
         from lit_dist.callbacks.export import ExportModel
         from lit_dist.callbacks.preemption import Preemption
         from lit_dist.callbacks.progress import Progress
+        from lit_dist.callbacks.samples import Samples
         from lit_dist.callbacks.stragglers import StragglerDetector
         from lit_dist.callbacks.watchdog import HangWatchdog
         from lit_dist.control import RunControl
@@ -79,6 +80,7 @@ class LitDistCLI(LightningCLI):
         parser.add_lightning_class_args(StragglerDetector, "straggler")
         parser.add_lightning_class_args(Preflight, "preflight")
         parser.add_lightning_class_args(ExportModel, "export")
+        parser.add_lightning_class_args(Samples, "samples")
         if self.subclass_mode_model:
             parser.set_defaults({"model": {"class_path": MODEL}, "data": {"class_path": DATA}})
 

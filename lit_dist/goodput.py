@@ -6,7 +6,8 @@ Categories, in seconds of wall time on rank 0 (every rank trains in lockstep):
 ``train``       training steps the run kept (forward, backward, optimizer), loader waits excluded
 ``data_wait``   the training loop waiting for its next batch
 ``checkpoint``  the training thread held by saves (the copy only, for asynchronous saves)
-``validation``  validation during ``fit``
+``validation``  validation during ``fit``, its samples excluded
+``sampling``    images made from the fixed prompts (``samples``), at validation or every n steps
 ``startup``     each attempt from its process start to its first training batch: imports, process
                 group, data setup, resume, sanity check
 ``lost``        whatever earlier attempts did after the checkpoint the run resumed from: the steps
@@ -26,7 +27,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-CATEGORIES = ("train", "data_wait", "checkpoint", "validation", "startup", "lost", "other")
+CATEGORIES = ("train", "data_wait", "checkpoint", "validation", "sampling", "startup", "lost", "other")
 _RECORD = 64  # bytes of the last-step record: '{"step": N, "time": T}' padded with spaces
 
 
@@ -66,6 +67,7 @@ class Ledger:
         s = self.seconds
         parts = [f"train {hms(s['train'])}", f"data wait {hms(s['data_wait'])}",
                  f"checkpoints {hms(s['checkpoint'])}", f"validation {hms(s['validation'])}",
+                 *([f"sampling {hms(s['sampling'])}"] if s["sampling"] else []),
                  f"start-up {hms(s['startup'])} ({self.attempts} start{'s' if self.attempts != 1 else ''})"]
         if self.restarts or s["lost"]:
             parts.append(f"lost {hms(s['lost'])} ({len(self.restarts)} restart{'s' if len(self.restarts) != 1 else ''}, "

@@ -42,6 +42,15 @@ from lit_dist.errors import ConfigError
 from lit_dist.objectives import Classification, Objective
 
 
+def _signature(net: nn.Module) -> str:
+    import inspect
+
+    try:
+        return str(inspect.signature(net.forward))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
 def lr_scale_factor(mode: str, effective_batch: int, base_batch: int) -> float:
     """How much ``lr_scaling`` multiplies the configured lr by at ``effective_batch``."""
     if mode == "none":
@@ -98,6 +107,16 @@ class LitModel(LightningModule):
         if float32_matmul_precision not in ("highest", "high", "medium"):
             problems.append(f"model.float32_matmul_precision = {float32_matmul_precision!r}: must be highest, high "
                             "or medium")
+        if objective is not None and hasattr(objective, "per_sample_loss"):  # a generative objective
+            import inspect
+
+            try:
+                inspect.signature(net.forward).bind(None, None, None)
+            except (TypeError, ValueError):
+                problems.append(f"model.net ({type(net).__name__}) is called as net(x_t, timestep, condition) by "
+                                f"model.objective ({type(objective).__name__}), and its forward{_signature(net)} does "
+                                "not take them: name a denoiser (lit_dist.models.TinyUNet, diffusers' "
+                                "UNet2DConditionModel or DiTTransformer2DModel) or wrap yours")
         if objective is not None and loss is not None:
             problems.append("model.loss is the classification loss; with model.objective set, give it as "
                             "model.objective.init_args.loss (Classification) or leave it out")
@@ -299,6 +318,35 @@ class LitModel(LightningModule):
         for name, value in zip(self._eval_names, means, strict=True):
             self.log(f"{prefix}/{name}", value, prog_bar=name != "loss")  # same value on every rank
         self._eval_sums = None
+
+    @torch.no_grad()
+    def generate(self, condition: torch.Tensor | None, noise: torch.Tensor, steps: int, guidance: float) -> torch.Tensor:
+        """Images in the model's input space from a generative objective's sampler (lit_dist.sampling), with the
+        weights validation uses (the average, model.ema, once it has started and evaluate is on), in eval mode and
+        the run's precision. The network's train/eval mode and weights are as before afterwards."""
+        from contextlib import nullcontext
+
+        from lit_dist.objectives import Generative
+        from lit_dist.sampling import sample
+
+        if not isinstance(self.objective, Generative):
+            raise ConfigError(f"model.objective is {type(self.objective).__name__}: only a generative objective "
+                              "(FlowMatching, Diffusion) makes images")
+        trainer = self._trainer
+        swap = (self.ema is not None and self.ema.evaluate and not self.ema.swapped and trainer is not None
+                and self.ema.started(trainer.global_step))
+        training = self.net.training
+        precision = trainer.precision_plugin.forward_context() if trainer is not None else nullcontext()
+        try:
+            if swap:
+                self.ema.swap_in()
+            self.net.eval()
+            with precision:
+                return sample(self.net, self.objective, condition, noise, steps=steps, guidance=guidance)
+        finally:
+            self.net.train(training)
+            if swap:
+                self.ema.swap_out()
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict[str, torch.Tensor]:
         out = self.objective.predict(self.net, batch)

@@ -41,6 +41,15 @@ class Objective:
         """The batch keys the model was given (``model.input_key``, ``model.target_key``)."""
         self.input_key, self.target_key = input_key, target_key
 
+    def take(self, batch: dict, which: str) -> torch.Tensor:
+        """``batch[model.input_key]`` (which: input) or ``[model.target_key]`` (target), or one ConfigError naming
+        the keys the batches hold (a latent model without its cache, labels in a table without them)."""
+        key = self.input_key if which == "input" else self.target_key
+        if key not in batch:
+            raise ConfigError(f"model.{which}_key = {key!r}, and the batches hold {sorted(batch)}: set model.{which}_key "
+                              "to one of them (latents come from data.cache.encoder: key data.cache.encoder_key)")
+        return batch[key]
+
     def loss(self, net: nn.Module, batch: dict, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of one batch and extra per-batch metrics (means over the batch)."""
         raise NotImplementedError
@@ -61,15 +70,15 @@ class Classification(Objective):
         self.loss_fn = loss if loss is not None else nn.CrossEntropyLoss()
 
     def loss(self, net, batch, train):
-        logits = net(batch[self.input_key])  # (B, num_classes)
-        target = batch[self.target_key]  # (B,)
+        logits = net(self.take(batch, "input"))  # (B, num_classes)
+        target = self.take(batch, "target")  # (B,)
         loss = self.loss_fn(logits, target)
         with torch.no_grad():
             acc = (logits.argmax(dim=-1) == target).float().mean()
         return loss, {"acc": acc}
 
     def predict(self, net, batch):
-        logits = net(batch[self.input_key])  # (B, num_classes)
+        logits = net(self.take(batch, "input"))  # (B, num_classes)
         return {"prediction": logits.argmax(dim=-1), "probability": logits.softmax(-1).amax(-1)}
 
 
@@ -144,7 +153,7 @@ class Generative(Objective):
         return torch.sigmoid(z)
 
     def loss(self, net, batch, train):
-        x0 = batch[self.input_key]
+        x0 = self.take(batch, "input")
         cond = self.condition_of(batch, train)
         if train:
             t = self.sample_t(len(x0), x0.device)
@@ -173,7 +182,7 @@ class Generative(Objective):
 
     def predict(self, net, batch):
         cond = self.condition_of(batch, train=False)
-        return {"loss": self.fixed_losses(net, batch[self.input_key], cond, batch.get("row"))}
+        return {"loss": self.fixed_losses(net, self.take(batch, "input"), cond, batch.get("row"))}
 
 
 def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,8 @@ class Totals:
     flops: float = 0.0
     training: float = 0.0  # seconds from a batch's start to its end (checkpoint saves taken out)
     waiting: float = 0.0  # seconds between a batch's end and the next one's start: the loader
-    paused: float = 0.0  # seconds spent outside training (validation)
+    paused: float = 0.0  # seconds spent outside training (validation, its samples excluded)
+    sampling: float = 0.0  # seconds of samples (lit_dist.callbacks.samples), at validation or between steps
     checkpoint: float = 0.0  # seconds the loop was held by checkpoint saves (rank 0: the others are not told)
     buckets: dict = field(default_factory=dict)  # (H, W) -> [samples, seconds in their steps]
 
@@ -94,8 +95,8 @@ class Totals:
     def figures(self, mark: tuple[float, "Totals"], world_size: int, peak: float | None) -> dict[str, float]:
         """Throughput since ``mark``: samples/s (device and job), TFLOP/s per device, MFU, data-wait fraction."""
         started, then = mark
-        seconds = max(time.perf_counter() - started - (self.paused - then.paused) - (self.checkpoint - then.checkpoint),
-                      1e-9)
+        seconds = max(time.perf_counter() - started - (self.paused - then.paused) - (self.checkpoint - then.checkpoint)
+                      - (self.sampling - then.sampling), 1e-9)
         samples = self.samples - then.samples
         figures = {"samples_per_s_per_device": samples / seconds,
                    "samples_per_s": samples / seconds * world_size,  # every rank has as many batches

@@ -60,6 +60,7 @@ class Report:
     attempts: list[dict]  # the goodput journals, oldest first
     checkpoints: list[dict]  # complete ones, newest first: name, step, bytes, time, reason
     now: float
+    samples: list[str] = field(default_factory=list)  # the sample grids (samples/step-N.png), oldest first
 
     def state(self) -> str:
         """Finished, running (with ETA) or how it stopped."""
@@ -95,13 +96,13 @@ class Report:
             lines.append("  config (differences from the defaults):")
             lines += [f"    {key}: {_show(value)}   (default: {_show(default)})" for key, value, default in self.differences]
         metrics = [(name, series) for name, series in sorted(self.scalars.items())
-                   if name.split("/")[0] in ("train", "val", "test") and series.steps]
+                   if name.split("/")[0] in ("train", "val", "test", "samples") and series.steps]
         if metrics:
             lines.append("  metrics:")
             for name, series in metrics:
                 step, value = series.last
                 line = f"    {name}: last {value:.4g} (step {step})"
-                if name.startswith("val/"):
+                if name.startswith(("val/", "samples/")):
                     best_step, best = series.best(higher_is_better=not _lower_is_better(name))
                     line += f", best {best:.4g} (step {best_step})"
                 lines.append(line)
@@ -113,6 +114,9 @@ class Report:
                 throughput.append(fmt.format(self.scalars[tag].last[1]))
         if throughput:
             lines.append(f"  throughput (last window): {', '.join(throughput)}")
+        if self.samples:
+            lines.append(f"  samples: {len(self.samples)} grid{'s' if len(self.samples) != 1 else ''}, newest "
+                         f"{os.path.join(self.run_dir, self.samples[-1])}")
         ledger = self.ledger()
         if ledger is not None:
             lines.append(f"  {ledger.summary()}")
@@ -132,17 +136,31 @@ class Report:
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
-        """Loss, accuracy, learning rate and throughput over steps, in one PNG (or any format matplotlib knows)."""
+        """Loss, accuracy, learning rate and throughput over steps, in one PNG (or any format matplotlib knows), with
+        the newest sample grid beside them when the run has one."""
         import matplotlib
+        import numpy as np
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         panels = [("loss", [t for t in self.scalars if t.endswith("loss") and t.split("/")[0] in ("train", "val")]),
-                  ("accuracy", [t for t in self.scalars if t.endswith("acc") and t.split("/")[0] in ("train", "val")]),
+                  ("accuracy", [t for t in self.scalars if (t.endswith("acc") and t.split("/")[0] in ("train", "val"))
+                                or t == "samples/adherence"]),
                   ("learning rate", [t for t in self.scalars if t in ("train/lr",) or t.startswith("lr-")]),
                   ("samples/s", [t for t in ("throughput/samples_per_s",) if t in self.scalars])]
-        figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+        if self.samples:
+            figure = plt.figure(figsize=(16, 7))
+            layout = figure.add_gridspec(2, 3, width_ratios=[1, 1, 0.9])
+            first = figure.add_subplot(layout[0, 0])
+            axes = np.array([[first, figure.add_subplot(layout[0, 1], sharex=first)],
+                             [figure.add_subplot(layout[1, 0], sharex=first), figure.add_subplot(layout[1, 1], sharex=first)]])
+            shown = figure.add_subplot(layout[:, 2])
+            shown.imshow(plt.imread(os.path.join(self.run_dir, self.samples[-1])), interpolation="nearest")
+            shown.set_title(f"samples at {os.path.basename(self.samples[-1])[:-4]}", fontsize=9)
+            shown.axis("off")
+        else:
+            figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
         for ax, (title, tags) in zip(axes.flat, panels, strict=True):
             for tag in sorted(tags):
                 series = self.scalars[tag]
@@ -171,8 +189,10 @@ def read(run_dir: str, now: float | None = None) -> Report:
     if not os.path.exists(config_path) and not os.path.isdir(os.path.join(run_dir, "goodput")):
         raise ConfigError(f"{run_dir!r} holds no config.yaml and no goodput/ folder: not a lit-dist run directory")
     differences = config_differences(config_path) if os.path.exists(config_path) else []
+    grids = sorted(os.path.join("samples", name) for name in os.listdir(os.path.join(run_dir, "samples"))
+                   if name.startswith("step-") and name.endswith(".png")) if os.path.isdir(os.path.join(run_dir, "samples")) else []
     return Report(run_dir, differences, scalars(run_dir), goodput.attempts(os.path.join(run_dir, "goodput")),
-                  checkpoints(run_dir), time.time() if now is None else now)
+                  checkpoints(run_dir), time.time() if now is None else now, grids)
 
 
 def scalars(run_dir: str) -> dict[str, Series]:

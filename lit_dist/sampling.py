@@ -1,9 +1,14 @@
 """Images from a denoiser trained by a generative objective (lit_dist.objectives), with diffusers' samplers:
 flow-match Euler for ``FlowMatching``, DDIM on the training schedule for ``Diffusion``; classifier-free
 guidance against the objective's own "no condition" (an all-zero caption embedding, or ``null_label``).
-The noise comes from the caller's generator, so that the same seeds give the same images after a resume
-and at any world size, and training's random state is never touched."""
+Each image's starting noise comes from its own seed (``initial_noise``), so that the same seeds give the
+same images after a resume, at any world size and however images are batched, and training's random state
+is never touched. Grids of the images go to PNG files (``write_grid``) and TensorBoard (``grid``)."""
 
+import io
+import os
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,16 +47,24 @@ def scheduler_for(objective: Generative, steps: int):
     return scheduler
 
 
+def initial_noise(shape: tuple[int, ...], seed: int, indices) -> torch.Tensor:
+    """(len(indices), *shape) standard normal noise, image ``i`` drawn on the CPU from its own seed (``seed``, ``i``):
+    the same on any device and whichever other images share its batch."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + int(i)))
+                        for i in indices])
+
+
 @torch.no_grad()
-def sample(net: nn.Module, objective: Generative, condition: torch.Tensor | None, shape: tuple[int, ...],
-           generator: torch.Generator, steps: int = 30, guidance: float = 1.0) -> torch.Tensor:
-    """``shape[0]`` samples of ``shape`` (B, C, H, W), in the space the model trained in (pixels as normalised,
-    or latents), from noise drawn with ``generator`` (on the CPU, so the same seed gives the same images on
-    any device). ``guidance`` > 1 mixes conditional and unconditional predictions."""
-    device = next(net.parameters()).device
-    dtype = next(net.parameters()).dtype
+def sample(net: nn.Module, objective: Generative, condition: torch.Tensor | None, noise: torch.Tensor,
+           steps: int = 30, guidance: float = 1.0) -> torch.Tensor:
+    """Images (B, C, H, W) in the space the model trained in (pixels as normalised, or latents), from the
+    starting ``noise`` of that shape (``initial_noise``). ``guidance`` > 1 mixes conditional and unconditional
+    predictions."""
+    parameter = next(net.parameters())
+    device, dtype = parameter.device, parameter.dtype
+    shape = tuple(noise.shape)
     scheduler = scheduler_for(objective, steps)
-    x = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    x = noise.to(device=device, dtype=dtype)
     if isinstance(objective, Diffusion):
         x = x * scheduler.init_noise_sigma
     guided = guidance != 1.0 and condition is not None
@@ -66,3 +79,92 @@ def sample(net: nn.Module, objective: Generative, condition: torch.Tensor | None
             out = denoise(net, x, timestep, condition)
         x = scheduler.step(out, t, x).prev_sample
     return x
+
+
+def to_pixels(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Normalised images (N, 3, H, W) back to uint8 pixels on the CPU, with the data's (1, 3, 1, 1) ``mean`` and
+    ``std`` on the 0-255 scale (BucketDataModule's ``mean`` and ``std``)."""
+    return (images.float().cpu() * std + mean).clamp(0, 255).round().to(torch.uint8)
+
+
+def grid(pixels: torch.Tensor, rows: int, cols: int) -> np.ndarray:
+    """``pixels`` (rows x cols, 3, H, W) uint8 as one (rows x H, cols x W, 3) image, row by row."""
+    _, _, h, w = pixels.shape
+    return np.ascontiguousarray(pixels.view(rows, cols, 3, h, w).permute(0, 3, 1, 4, 2).reshape(rows * h, cols * w, 3)
+                                .numpy())
+
+
+def write_grid(pixels: torch.Tensor, rows: int, cols: int, path: str) -> None:
+    """``pixels`` (rows x cols, 3, H, W) as one PNG, written whole or not at all (local or S3)."""
+    from PIL import Image
+
+    from lit_dist.ckpt.files import filesystem, is_local, write_atomically
+
+    png = io.BytesIO()
+    Image.fromarray(grid(pixels, rows, cols)).save(png, format="PNG")
+    fs, fs_path = filesystem(path if "://" in path else os.path.abspath(path))
+    if is_local(fs):  # an object store has no folders to make
+        os.makedirs(os.path.dirname(fs_path), exist_ok=True)
+    write_atomically(fs, fs_path, lambda f: f.write(png.getvalue()))
+
+
+def encode_prompts(objective: Generative, data, prompts: list[str], field: str = "--prompt") -> tuple[list[str], torch.Tensor | None]:
+    """(prompts as shown, their condition on the CPU) for ``objective``: captions through the run's caption encoder
+    (``data.cache.caption_encoder``), as its training captions were; labels as class numbers or the data's class
+    names; nothing for an unconditioned model."""
+    if objective.condition == "none":
+        return list(prompts), None
+    if objective.condition == "label":
+        classes = list(getattr(data, "classes", None) or [])
+        labels = [_label(p, classes, field) for p in prompts]
+        return [classes[i] if 0 <= i < len(classes) else str(i) for i in labels], torch.tensor(labels, dtype=torch.int64)
+    spec = getattr(getattr(data, "cache", None), "caption_encoder", None)
+    if spec is None:
+        raise ConfigError(f"data.cache.caption_encoder is not set: {field} is encoded by the run's caption encoder, "
+                          "as its captions were")
+    from lit_dist.cache.encoders import load_encoder
+
+    with torch.no_grad():
+        return list(prompts), load_encoder(spec, "caption_encoder")(list(prompts)).float()  # (P, ...)
+
+
+def _label(prompt: str, classes: list[str], field: str) -> int:
+    text = prompt.strip()
+    if text.isdigit():
+        return int(text)
+    if text in classes:
+        return classes.index(text)
+    known = f"the names {classes}" if classes else "numbers (the data's class names are not known here)"
+    raise ConfigError(f"{field} has {text!r}: a label-conditioned model takes class numbers or {known}")
+
+
+def decoder_of(objective: Generative, data):
+    """The frozen decoder that turns the model's samples into images: None for pixels, the VAE decoder matching
+    ``data.cache.encoder`` for latents (ConfigError where there is none)."""
+    if objective.input_key == "image":
+        return None
+    spec = getattr(getattr(data, "cache", None), "encoder", None)
+    if spec is None:
+        raise ConfigError(f"model.input_key = {objective.input_key!r}: its samples are decoded by the VAE that made the "
+                          "cache (data.cache.encoder), and none is set")
+    from lit_dist.cache.encoders import decoder_for
+
+    return decoder_for(spec)
+
+
+def shape_of(decoder, size: int, field: str) -> tuple[int, int, int]:
+    """One sample's shape (C, H, W) for square images of ``size`` pixels a side."""
+    if decoder is None:
+        return (3, size, size)
+    channels, factor = decoder.latent_shape_factor
+    if size % factor:
+        raise ConfigError(f"{field} = {size}: the VAE makes one latent per {factor} pixels; use a multiple of {factor}")
+    return (channels, size // factor, size // factor)
+
+
+@torch.no_grad()
+def decode(images: torch.Tensor, decoder, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Samples (pixels as normalised, or latents with their ``decoder``) as uint8 pixels on the CPU."""
+    if decoder is not None:
+        images = decoder(images.to(next(decoder.parameters()).dtype))
+    return to_pixels(images, mean, std)

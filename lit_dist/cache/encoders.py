@@ -102,6 +102,43 @@ class VAEEncoder(nn.Module):
         return latents * self.vae.config.scaling_factor  # (B, C, H / f, W / f)
 
 
+class VAEDecoder(nn.Module):
+    """Images from latents that ``VAEEncoder`` with the same ``pretrained``/``subfolder``/``config``/``seed`` made:
+    ``decode(latents / scaling factor)``, normalised as the encoder's input was (data.mean, data.std)."""
+
+    def __init__(self, pretrained: str | None = None, subfolder: str | None = None, config: dict | None = None,
+                 seed: int = 0):
+        super().__init__()
+        from diffusers import AutoencoderKL
+
+        if pretrained is not None:
+            self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)  # the same draws as VAEEncoder's: the same weights
+                self.vae = AutoencoderKL(**config)
+        self.vae.encoder, self.vae.quant_conv = None, None
+
+    @property
+    def latent_shape_factor(self) -> tuple[int, int]:
+        """(latent channels, pixels per latent along a side)."""
+        return self.vae.config.latent_channels, 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:  # (B, C, h, w) -> (B, 3, h x f, w x f)
+        return self.vae.decode(latents / self.vae.config.scaling_factor).sample
+
+
+def decoder_for(spec: dict, field: str = "encoder") -> VAEDecoder:
+    """The decoder that turns ``data.cache.<field>``'s latents back into images (frozen, eval, CPU); ConfigError for
+    an encoder lit-dist knows no decoder of."""
+    class_path = spec.get("class_path", "")
+    if class_path.rsplit(".", 1)[-1] != "VAEEncoder":
+        raise ConfigError(f"data.cache.{field}.class_path = {class_path!r}: lit-dist decodes latents of "
+                          "lit_dist.cache.encoders.VAEEncoder only; train on pixels, or cache with VAEEncoder")
+    args = {k: v for k, v in dict(spec.get("init_args") or {}).items() if k in ("pretrained", "subfolder", "config", "seed")}
+    return VAEDecoder(**args).eval().requires_grad_(False)
+
+
 class TextEncoder(nn.Module):
     """Token embeddings of a frozen transformers text encoder (T5's encoder or CLIP's text model), for
     ``data.cache.caption_encoder``: captions -> (B, max_length, width), every caption padded or cut to

@@ -16,12 +16,12 @@ loop, tensor shapes, a FLOP count taken once per batch shape):
 ===========================================  =============================================================
 
 Goodput (``lit_dist.goodput``): where the wall time went (training, data waits, checkpoint stalls,
-validation, start-up, work lost to restarts), kept in every checkpoint so that it adds up over
+validation, sample grids (event ``samples.written``), start-up, work lost to restarts), kept in every checkpoint so that it adds up over
 requeues; logged as ``goodput/*``, printed at the end of ``fit`` and sent with ``run.finished``.
 
 Console: in a terminal Lightning's progress bar stays. When stdout is not a terminal (a Slurm
 output file, a pipe) the bar is off and rank 0 writes one plain line every ``log_every_s`` seconds,
-and one at each validation and checkpoint::
+and one at each validation, checkpoint and sample grid::
 
     lit-dist: step 1200/40000 (3%) epoch 3 | loss 0.412 | lr 1.2e-04 | 5,120 samples/s | 81.2 TFLOP/s/device | MFU 41% | data wait 2% | ETA 2:13:40
 """
@@ -68,6 +68,7 @@ class Progress(Callback):
         self.peak_tflops = peak_tflops
         self.bar = bar
         self.flops_per_sample: dict[tuple, float] = {}  # batch shape (C, H, W) -> FLOPs of one sample
+        self._measured: list | None = None  # every rank's measured shapes, from the checkpoint
         self.last: dict[str, float] = {}  # the figures of the last window
         self._meter = FlopMeter()
         self._measuring: tuple | None = None
@@ -99,6 +100,8 @@ class Progress(Callback):
     def send(self, event: Event) -> None:
         if event.type == "checkpoint.saved":
             self._saved(event)
+        elif event.type == "samples.written":
+            self._sampled(float(event.data.get("seconds", 0.0)))
         if not self._lines:
             return
         if event.type == "validation.finished":
@@ -107,6 +110,8 @@ class Progress(Callback):
         elif event.type == "checkpoint.saved":
             self._print(f"checkpoint at step {event.data['step']} ({event.data['bytes'] / 1e6:.1f} MB, "
                         f"{event.data['seconds']:.1f} s, {event.data['reason']})")
+        elif event.type == "samples.written":
+            self._print(f"samples at step {event.data['step']}: {event.message}")
 
     def _saved(self, event: Event) -> None:
         """Rank 0: a checkpoint was written; the loop was held ``blocked_s`` of it."""
@@ -115,6 +120,14 @@ class Progress(Callback):
         self._blocked += blocked
         if self._journal is not None:
             self._journal.saved(int(event.data["step"]), time.time())
+
+    def _sampled(self, seconds: float) -> None:
+        """Rank 0: samples took ``seconds``, out of validation's time or the interval between two steps they fell in."""
+        self._totals.sampling += seconds
+        if self._paused_at is not None:  # in validation: on_validation_end adds its whole time to paused
+            self._totals.paused -= seconds
+        else:
+            self._blocked += seconds
 
     def flush(self, timeout_s: float | None = None) -> bool:
         sys.stdout.flush()
@@ -140,6 +153,10 @@ class Progress(Callback):
         self._totals = Totals()
         self._log_mark = self._line_mark = self._totals.mark()
         self._first_batch, self._blocked = None, 0.0
+        measured, self._measured = self._measured, None
+        if measured:  # this rank's own shapes; another world size: every rank's (the same FLOPs per shape)
+            chosen = [measured[trainer.global_rank]] if len(measured) == trainer.world_size else measured
+            self.flops_per_sample.update({tuple(shape): flops for part in chosen for shape, flops in part})
         if trainer.is_global_zero:
             self._open_journal(trainer)
 
@@ -175,7 +192,7 @@ class Progress(Callback):
             return self._ledger.plus({"startup": wall})
         startup = wall - (time.perf_counter() - self._first_batch)
         mine = {"startup": startup, "train": totals.training, "data_wait": totals.waiting,
-                "checkpoint": totals.checkpoint, "validation": totals.paused}
+                "checkpoint": totals.checkpoint, "validation": totals.paused, "sampling": totals.sampling}
         mine["other"] = max(wall - sum(mine.values()), 0.0)
         return self._ledger.plus(mine)
 
@@ -188,6 +205,19 @@ class Progress(Callback):
         if "goodput" in state_dict:
             self._carried = goodput.Ledger.from_dict(state_dict["goodput"])
             self._carried_from = (state_dict.get("attempt"), state_dict.get("saved_at"))
+        self._measured = state_dict.get("flops_per_sample")  # per rank; taken at on_train_start
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # A step measured under torch's FlopCounterMode computes its gradients a little differently (bitwise), so a
+        # resumed run must measure the steps the uninterrupted run measured, not each shape again: every rank's
+        # measured shapes travel in the checkpoint (a collective: every rank saves).
+        from lit_dist.distributed import all_gather_object
+
+        mine = [[list(shape), flops] for shape, flops in self.flops_per_sample.items()]
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        measured = all_gather_object(trainer, mine)
+        if state is not None:
+            state["flops_per_sample"] = measured
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = time.perf_counter()

@@ -13,7 +13,8 @@ Example (YAML; URLs and tokens come from environment variables or files, never f
 The notifier is a subscriber of the run control's event publisher (``lit_dist.control``): it
 sends what is published there (schema 1, see README.md): ``run.started``, ``run.progress``,
 ``validation.finished``, ``run.finished``, ``run.failed`` and ``run.preempted`` from rank 0,
-``checkpoint.saved`` from rank 0 once the checkpoint is complete, ``gpu.warning`` and ``gpu.fault``
+``checkpoint.saved`` from rank 0 once the checkpoint is complete, ``samples.written`` from rank 0 once a
+sample grid is written (lit_dist.callbacks.samples), ``gpu.warning`` and ``gpu.fault``
 from the rank whose GPU it is, ``run.hung`` from the first rank whose hang watchdog noticed.
 
 Delivery runs on a background thread with a bounded queue: a post has a total deadline,

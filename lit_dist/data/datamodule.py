@@ -254,6 +254,27 @@ class BucketDataModule(LightningDataModule):
         if len(self._splits["test"]) == 0:  # tables without a test split evaluate `test` on the validation rows
             self._splits["test"] = self._splits["val"]
 
+    def pick(self, key: str, n: int, seed: int, split: str = "val") -> list:
+        """``n`` values of ``key`` (label, or a passed-through column such as caption) from ``split``'s rows (the
+        training rows when it has none), chosen by ``seed``: the same on every rank, and after a resume of the
+        same table. Fewer when the split has fewer rows; [] when no row has ``key``."""
+        dataset = self._splits.get(split)
+        if dataset is None or len(dataset) == 0:
+            dataset = self._splits.get("train")
+        parts = getattr(dataset, "parts", [dataset]) if dataset is not None else []
+        values = []
+        for part in parts:  # every dataset of a mix, in turn: few positions per part, not the whole column
+            column = part.labels if key == "label" else part.extra.get(key)
+            if column is None:
+                continue
+            positions = part.positions
+            chosen = np.random.default_rng(seed).choice(len(positions), size=min(n, len(positions)), replace=False)
+            taken = positions[np.sort(chosen)]
+            values += [int(v) for v in column[taken]] if key == "label" else column.take(taken).to_pylist()
+        if len(values) > n:
+            values = [values[i] for i in np.sort(np.random.default_rng(seed).choice(len(values), n, replace=False))]
+        return values
+
     def root_field(self, i: int) -> tuple[str, str]:
         """The config field that gives dataset ``i``'s image root, and how it is set (for messages)."""
         source, prefix = self.sources[i], self._prefixes[i]

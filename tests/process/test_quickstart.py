@@ -21,3 +21,22 @@ def test_quickstart_trains_to_90_percent_on_cpu(tmp_path):
     assert steps == 1245 and "samples/s" in log and "data wait" in log
     assert len(log.encode()) <= 5000 * steps / 1000, f"{len(log.encode())} bytes of log for {steps} steps"
     assert log.count("\r") <= steps / 100, f"{log.count(chr(13))} carriage returns for {steps} steps"
+
+    # The quickstart's classifier is the shapes judge of generated samples (lit_dist.adherence): on the real
+    # validation images it must accept their own captions and refuse another image's.
+    from lit_dist.adherence import ShapesJudge
+    from lit_dist.data.datamodule import BucketDataModule
+
+    run_dir = tmp_path / re.search(r"run directory: (\S+)", out.stdout).group(1)
+    judge = ShapesJudge(str(run_dir / "model.pt"))
+    data = BucketDataModule(metadata=str(tmp_path / "data" / "shapes" / "metadata.parquet"), resolution=32,
+                            batch_size_per_device=64, num_workers=0)
+    data.setup("fit")
+    right = wrong = total = 0
+    for batch in data.val_dataloader():
+        pixels = batch["image"].permute(0, 3, 1, 2)  # the loader's uint8 (B, H, W, 3)
+        captions = list(batch["caption"])
+        right += int(judge(pixels, captions).sum())
+        wrong += int(judge(pixels, captions[1:] + captions[:1]).sum())  # each image with its neighbour's caption
+        total += len(captions)
+    assert right / total >= 0.95 and wrong / total <= 0.05, (right, wrong, total)  # 0.98 and 0.004 here

@@ -9,7 +9,7 @@ from torch import nn
 
 from lit_dist.errors import ConfigError
 from lit_dist.objectives import Diffusion, FlowMatching
-from lit_dist.sampling import null_condition, sample
+from lit_dist.sampling import initial_noise, null_condition, sample
 
 pytestmark = pytest.mark.unit
 TARGET = torch.linspace(-1, 1, 2 * 3 * 4 * 4).view(2, 3, 4, 4)
@@ -44,14 +44,14 @@ def bound(objective):
 
 
 def test_flow_matching_euler_lands_on_the_one_image_the_ideal_velocity_points_to():
-    out = sample(FlowOracle(), bound(FlowMatching(condition="none")), None, (2, 3, 4, 4),
-                 torch.Generator().manual_seed(0), steps=10)
+    out = sample(FlowOracle(), bound(FlowMatching(condition="none")), None, initial_noise((3, 4, 4), 0, range(2)),
+                 steps=10)
     torch.testing.assert_close(out, TARGET, atol=1e-4, rtol=0)
 
 
 def test_ddim_on_the_training_schedule_lands_on_the_one_image_the_ideal_noise_points_to():
     objective = bound(Diffusion(prediction="epsilon", condition="none"))
-    out = sample(EpsilonOracle(objective), objective, None, (2, 3, 4, 4), torch.Generator().manual_seed(0), steps=20)
+    out = sample(EpsilonOracle(objective), objective, None, initial_noise((3, 4, 4), 0, range(2)), steps=20)
     torch.testing.assert_close(out, TARGET, atol=1e-3, rtol=0)
 
 
@@ -63,9 +63,9 @@ def test_the_same_seed_gives_the_same_images_and_another_seed_others():
     objective = bound(FlowMatching(condition="label", null_label=3))
     labels = torch.tensor([0, 2])
     state = torch.get_rng_state()
-    a = sample(net, objective, labels, (2, 3, 8, 8), torch.Generator().manual_seed(7), steps=4, guidance=3.0)
-    b = sample(net, objective, labels, (2, 3, 8, 8), torch.Generator().manual_seed(7), steps=4, guidance=3.0)
-    c = sample(net, objective, labels, (2, 3, 8, 8), torch.Generator().manual_seed(8), steps=4, guidance=3.0)
+    a = sample(net, objective, labels, initial_noise((3, 8, 8), 7, range(2)), steps=4, guidance=3.0)
+    b = sample(net, objective, labels, initial_noise((3, 8, 8), 7, range(2)), steps=4, guidance=3.0)
+    c = sample(net, objective, labels, initial_noise((3, 8, 8), 8, range(2)), steps=4, guidance=3.0)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert torch.equal(torch.get_rng_state(), state)  # training's random state is left alone
 
@@ -73,7 +73,7 @@ def test_the_same_seed_gives_the_same_images_and_another_seed_others():
 def test_guidance_asks_for_the_condition_and_the_objectives_no_condition_in_one_batch():
     net = FlowOracle()
     captions = torch.randn(2, 5, 16)
-    sample(net, bound(FlowMatching()), captions, (2, 3, 4, 4), torch.Generator().manual_seed(0), steps=2, guidance=4.0)
+    sample(net, bound(FlowMatching()), captions, initial_noise((3, 4, 4), 0, range(2)), steps=2, guidance=4.0)
     seen = net.seen[0]
     assert seen.shape == (4, 5, 16) and torch.equal(seen[:2], captions) and not seen[2:].any()
     labels = bound(FlowMatching(condition="label", null_label=9))
@@ -92,7 +92,13 @@ def test_guidance_moves_the_prediction_away_from_the_unconditional_one_by_its_sc
             return condition.flatten(1).any(1).float().view(-1, 1, 1, 1).expand_as(x).clone()
 
     objective, captions = bound(FlowMatching()), torch.ones(2, 5, 16)
-    noise = torch.randn((2, 3, 4, 4), generator=torch.Generator().manual_seed(0))
+    noise = initial_noise((3, 4, 4), 0, range(2))
     # One Euler step from sigma 1 to 0: x0 = noise - prediction, the prediction being 0 + 4 x (1 - 0).
-    out = sample(Constant(), objective, captions, (2, 3, 4, 4), torch.Generator().manual_seed(0), steps=1, guidance=4.0)
+    out = sample(Constant(), objective, captions, noise, steps=1, guidance=4.0)
     torch.testing.assert_close(out, noise - 4.0)
+
+
+def test_an_images_noise_is_its_own_whichever_images_share_its_batch():
+    both = initial_noise((3, 4, 4), 5, [0, 1])
+    assert torch.equal(initial_noise((3, 4, 4), 5, [1]), both[1:])
+    assert not torch.equal(both[0], both[1]) and not torch.equal(initial_noise((3, 4, 4), 6, [1]), both[1:])
