@@ -103,8 +103,9 @@ def t2i(args, tmp: str, common: list[str]) -> dict:
         cmd = [sys.executable, "-m", "lit_dist", "validate", "--config", os.path.join(run_dir, "config.yaml"),
                "--ckpt_path", latest_state(run_dir), "--trainer.devices", str(devices), "--trainer.limit_val_batches",
                "1", "--samples.at_validation", "true", "--samples.num_prompts", "8", "--samples.per_prompt", "8",
-               "--samples.steps", "30", "--samples.batch_size", "16", "--samples.judge", "null", "--run.run_id",
-               f"sampling-{devices}", "--trainer.callbacks+=benchmarks.common.SamplingTime"]
+               "--samples.steps", "30", "--samples.batch_size", "16", "--samples.judge", "null",
+               "--trainer.default_root_dir", "null", "--run.run_id", f"sampling-{devices}",
+               "--trainer.callbacks+=benchmarks.common.SamplingTime"]
         if devices == 2:
             cmd += ["--trainer.strategy", "ddp"]
         seconds[devices] = run_bench(cmd, env={"OMP_NUM_THREADS": "1"})["sampling_s"][0]
@@ -120,10 +121,11 @@ def train_judge(args, tmp: str, common: list[str]) -> str:
     """The classification quickstart, trained once: its model.pt judges the samples (lit_dist.adherence)."""
     began = time.perf_counter()
     out = lit_dist("fit", "--config", "configs/quickstart.yaml", *common, "--trainer.limit_val_batches", "1.0",
+                   "--export.filename", "model.pt",
                    "--run.run_id", "judge")
-    acc = re.search(r"val/acc ([\d.]+)", out.stdout)
+    acc = re.findall(r"val/acc ([\d.]+)", out.stdout + out.stderr)
     print(f"judge: the quickstart classifier in {time.perf_counter() - began:.0f} s, val/acc "
-          f"{acc.group(1) if acc else '?'}", flush=True)
+          f"{acc[-1] if acc else '?'}", flush=True)
     return os.path.join(tmp, "runs", "quickstart", "judge", "model.pt")
 
 

@@ -208,7 +208,7 @@ class SamplingTime(Callback):
         control.subscribe(self)
 
     def send(self, event) -> None:
-        if event.type == "samples.written":
+        if event.type == "samples.written" and self.seconds is not None:
             self.seconds.append(event.data["seconds"])
             if "adherence" in event.data:
                 self.adherence.append(event.data["adherence"])
@@ -217,5 +217,6 @@ class SamplingTime(Callback):
         return True
 
     def teardown(self, trainer, pl_module, stage) -> None:
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.seconds is not None:  # once: teardown may come more than once
             print("BENCH " + json.dumps({"sampling_s": self.seconds, "adherence": self.adherence}), flush=True)
+            self.seconds = None
