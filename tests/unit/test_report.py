@@ -70,3 +70,19 @@ def test_checkpoints_with_a_damaged_marker_are_left_out_of_the_report_and_the_ot
     found = checkpoints(str(tmp_path))
     assert [(c["name"], c["step"], c["bytes"], c["reason"]) for c in found] == \
         [("step-000000010", 10, 2_000_000, "every_n_steps")]
+
+
+def test_the_newest_sample_grid_is_named_and_drawn_beside_the_curves(tmp_path):
+    from lit_dist.report import read
+
+    run = tmp_path / "run"
+    (run / "goodput").mkdir(parents=True)
+    (run / "samples").mkdir()
+    for step, colour in ((20, "red"), (100, "blue")):
+        Image.new("RGB", (64, 32), colour).save(run / "samples" / f"step-{step:09d}.png")
+    (run / "samples" / "notes.txt").write_text("not a grid")
+    found = read(str(run))
+    assert found.samples == ["samples/step-000000020.png", "samples/step-000000100.png"]
+    assert f"samples: 2 grids, newest {run / 'samples' / 'step-000000100.png'}" in found.text()
+    found.plot(str(tmp_path / "plot.png"))
+    assert Image.open(tmp_path / "plot.png").size == (1600, 700)  # the grid's column added (1100 x 700 without)
