@@ -28,6 +28,7 @@ flow matching or diffusion for a denoiser. For anything else, subclass it and ov
 ``compute_loss``; name the subclass as ``model.class_path``.
 """
 
+import inspect
 import math
 from typing import Literal
 
@@ -39,16 +40,7 @@ from torch import nn
 
 from lit_dist.ema import EMA
 from lit_dist.errors import ConfigError
-from lit_dist.objectives import Classification, Objective
-
-
-def _signature(net: nn.Module) -> str:
-    import inspect
-
-    try:
-        return str(inspect.signature(net.forward))
-    except (TypeError, ValueError):
-        return "(...)"
+from lit_dist.objectives import Classification, Generative, Objective
 
 
 def lr_scale_factor(mode: str, effective_batch: int, base_batch: int) -> float:
@@ -107,14 +99,13 @@ class LitModel(LightningModule):
         if float32_matmul_precision not in ("highest", "high", "medium"):
             problems.append(f"model.float32_matmul_precision = {float32_matmul_precision!r}: must be highest, high "
                             "or medium")
-        if objective is not None and hasattr(objective, "per_sample_loss"):  # a generative objective
-            import inspect
-
+        if isinstance(objective, Generative):
+            signature = inspect.signature(net.forward)
             try:
-                inspect.signature(net.forward).bind(None, None, None)
-            except (TypeError, ValueError):
+                signature.bind(None, None, None)
+            except TypeError:
                 problems.append(f"model.net ({type(net).__name__}) is called as net(x_t, timestep, condition) by "
-                                f"model.objective ({type(objective).__name__}), and its forward{_signature(net)} does "
+                                f"model.objective ({type(objective).__name__}), and its forward{signature} does "
                                 "not take them: name a denoiser (lit_dist.models.TinyUNet, diffusers' "
                                 "UNet2DConditionModel or DiTTransformer2DModel) or wrap yours")
         if objective is not None and loss is not None:
@@ -326,7 +317,6 @@ class LitModel(LightningModule):
         the run's precision. The network's train/eval mode and weights are as before afterwards."""
         from contextlib import nullcontext
 
-        from lit_dist.objectives import Generative
         from lit_dist.sampling import sample
 
         if not isinstance(self.objective, Generative):

@@ -81,12 +81,6 @@ def sample(net: nn.Module, objective: Generative, condition: torch.Tensor | None
     return x
 
 
-def to_pixels(images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Normalised images (N, 3, H, W) back to uint8 pixels on the CPU, with the data's (1, 3, 1, 1) ``mean`` and
-    ``std`` on the 0-255 scale (BucketDataModule's ``mean`` and ``std``)."""
-    return (images.float().cpu() * std + mean).clamp(0, 255).round().to(torch.uint8)
-
-
 def grid(pixels: torch.Tensor, rows: int, cols: int) -> np.ndarray:
     """``pixels`` (rows x cols, 3, H, W) uint8 as one (rows x H, cols x W, 3) image, row by row."""
     _, _, h, w = pixels.shape
@@ -164,7 +158,8 @@ def shape_of(decoder, size: int, field: str) -> tuple[int, int, int]:
 
 @torch.no_grad()
 def decode(images: torch.Tensor, decoder, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Samples (pixels as normalised, or latents with their ``decoder``) as uint8 pixels on the CPU."""
+    """Samples (pixels as normalised, or latents with their ``decoder``) as uint8 pixels (N, 3, H, W) on the CPU,
+    with the data's (1, 3, 1, 1) ``mean`` and ``std`` on the 0-255 scale (BucketDataModule's)."""
     if decoder is not None:
         images = decoder(images.to(next(decoder.parameters()).dtype))
-    return to_pixels(images, mean, std)
+    return (images.float().cpu() * std + mean).clamp(0, 255).round().to(torch.uint8)

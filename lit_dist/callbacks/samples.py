@@ -88,14 +88,15 @@ class Samples(Callback):
         self._decoder = None
         self._shape: tuple[int, ...] | None = None
         self._sampled_step = -1
-        self._prompts_step: int | None = None
+        self._prompts_logged = False  # the prompts go to TensorBoard once, with this process's first grid
+        self._mean = self._std = None  # the data's normalisation, 0-255 scale
         self._loaded_step: int | None = None
         self.last_path: str | None = None
 
     def connect(self, control: RunControl) -> None:
         self._control = control
 
-    def _active(self, trainer, pl_module) -> bool:
+    def _active(self, pl_module) -> bool:
         from lit_dist.objectives import Generative
 
         return isinstance(getattr(pl_module, "objective", None), Generative) and hasattr(pl_module, "generate")
@@ -124,7 +125,7 @@ class Samples(Callback):
 
     def sample(self, trainer, pl_module) -> None:
         """Make, gather and write this step's grid. On every rank (collectives inside)."""
-        if not self._active(trainer, pl_module) or self._sampled_step == self._step(trainer):
+        if not self._active(pl_module) or self._sampled_step == self._step(trainer):
             return
         self._sampled_step = self._step(trainer)
         began = time.perf_counter()
@@ -152,10 +153,8 @@ class Samples(Callback):
         prompt_of = torch.tensor([i // self.per_prompt for i in indices])
         condition = None if self._condition is None else self._condition[prompt_of].to(device)
         noise = initial_noise(self._shape, self.seed, indices)
-        images = pl_module.generate(condition, noise, self.steps, self.guidance)
-        data = pl_module.trainer.datamodule
-        half = torch.full((1, 3, 1, 1), 127.5)  # a data module without them: images in [-1, 1]
-        return decode(images, self._decoder, getattr(data, "mean", half), getattr(data, "std", half))
+        return decode(pl_module.generate(condition, noise, self.steps, self.guidance), self._decoder, self._mean,
+                      self._std)
 
     def _prepare(self, trainer, pl_module) -> None:
         """The prompts, their condition, the decoder and the image shape, once per process."""
@@ -166,6 +165,8 @@ class Samples(Callback):
                 self.judge.check(self._chosen)
         if self._shape is not None:
             return
+        half = torch.full((1, 3, 1, 1), 127.5)  # a data module without them: images in [-1, 1]
+        self._mean, self._std = getattr(data, "mean", half), getattr(data, "std", half)
         size = self.size or getattr(data, "resolution", None)
         if size is None:
             raise ConfigError(f"samples.size is not set and the data module {type(data).__name__} has no resolution")
@@ -212,11 +213,12 @@ class Samples(Callback):
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_image"):
                 experiment.add_image("samples", image, step, dataformats="HWC")
-                if step == self._first_step(trainer):
+                if not self._prompts_logged:
                     experiment.add_text("samples/prompts", "  \n".join(f"{i}. {p}" for i, p in enumerate(self._chosen)),
                                         step)
             if adherence is not None:
                 logger.log_metrics({"samples/adherence": adherence}, step=step)
+        self._prompts_logged = True
         seconds = time.perf_counter() - began
         shown = f", adherence {adherence:.3f}" if adherence is not None else ""
         if self._control is not None:
@@ -224,11 +226,6 @@ class Samples(Callback):
                                         f"{len(pixels)} images in {seconds:.1f} s -> {path or 'not written'}{shown}",
                                         {"step": step, "path": path, "images": len(pixels), "seconds": seconds,
                                          **({"adherence": adherence} if adherence is not None else {})}))
-
-    def _first_step(self, trainer) -> int:
-        if self._prompts_step is None:
-            self._prompts_step = self._step(trainer)
-        return self._prompts_step
 
     def _step(self, trainer) -> int:
         """The training step the weights are from: lit-dist validate of a checkpoint does not restore the loop's."""

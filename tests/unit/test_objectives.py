@@ -36,6 +36,16 @@ def batch(n=4, label=False, rows=None):
     return out
 
 
+def train(model: LitModel, b: dict, steps: int, lr: float = 3e-3) -> None:
+    """``steps`` AdamW steps of ``model``'s loss on the one batch ``b``."""
+    optimizer = torch.optim.AdamW(model.net.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = model.compute_loss(b)[0]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
 def bound(objective):
     objective.bind("image", "label")
     return objective
@@ -166,12 +176,7 @@ def test_the_tiny_unet_learns_what_each_condition_asks_for(condition):
     net = TinyUNet(channels=(16, 32), context_dim=16 if condition == "caption" else None,
                    num_classes=3 if condition == "label" else None, embed_dim=32)
     model = LitModel(net=net, objective=objective)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    for _ in range(80):
-        loss = model.compute_loss(b)[0]
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train(model, b, steps=80)
     model.eval()
     shifted = {**b, "label": b["label"].roll(1), "caption_embedding": b["caption_embedding"].roll(1, dims=0)}
     with torch.no_grad():
@@ -222,16 +227,11 @@ def test_a_diffusers_transformer_denoiser_trains_and_samples_through_the_signatu
     objective = bound(FlowMatching(condition="label", null_label=3, condition_dropout=0.0, timesteps="uniform"))
     b = {**batch(), "image": batch()["image"][..., :8], "label": torch.tensor([0, 1, 2, 1])}
     model = LitModel(net=dit, objective=objective)
-    optimizer = torch.optim.AdamW(dit.parameters(), lr=3e-3)
     model.eval()
     with torch.no_grad():
         before = model.compute_loss(b)[0]
     model.train()
-    for _ in range(40):
-        loss = model.compute_loss(b)[0]
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    train(model, b, steps=40)
     model.eval()
     with torch.no_grad():
         after = model.compute_loss(b)[0]
