@@ -16,6 +16,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 
 from lit_dist.errors import ExitCode
 
@@ -114,25 +115,46 @@ def dump_on_request(path: str) -> None:
     _registered.append(handle)
 
 
-def dump_helpers() -> list[str]:
-    """Signal this process's descendants that dump on request; one line each: pid, state, what it waits in
-    (the kernel's wait channel) and the files it has open."""
-    lines = []
+def dump_helpers(prefix: str, wait_s: float = 2.0) -> list[str]:
+    """Signal this rank's helpers that dump on request (the descendants writing to ``prefix``-worker-pid-*.txt)
+    and wait up to ``wait_s`` for each to write the file it reads; one line each: pid, state, what it waits in
+    (the kernel's wait channel) and the files it has open.
+
+    Rank 0 started by Lightning's launcher is the parent of the other ranks of its node: their workers are its
+    descendants too, but they are theirs to signal. Two ranks signalling one worker at once made each see it
+    running, or not at all, in its own list. The wait: a rank that says it has dumped may be ended at once by
+    the others, and its workers with it."""
+    lines, mine = [], os.path.realpath(prefix) + "-worker-pid-"  # the kernel names open files by real path
+    written: dict[str, int] = {}  # each signalled worker's file: its size before the signal
     for pid in _descendants(os.getpid()):
         status = _read(f"/proc/{pid}/status")
         caught = int(next((ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), "0"), 16)
         if not caught >> (int(DUMP_SIGNAL) - 1) & 1:
             continue  # the fork server, the resource tracker: the signal would end them
+        files = sorted({target for target in _open_files(pid) if target.startswith("/") and not target.startswith("/dev/")})
+        if f"{mine}{pid}.txt" not in files:
+            continue  # another rank's worker
+        written[f"{mine}{pid}.txt"] = _size(f"{mine}{pid}.txt")
         try:
             os.kill(pid, DUMP_SIGNAL)
         except ProcessLookupError:
             continue
         state = next((ln.split(None, 1)[1] for ln in status.splitlines() if ln.startswith("State:")), "?")
-        files = sorted({target for target in _open_files(pid) if target.startswith("/") and not target.startswith("/dev/")})
         wchan = _read(f"/proc/{pid}/wchan").strip()
         waits = f", waiting in {wchan}" if wchan not in ("", "0") else ""  # hidden ("0") on many kernels
         lines.append(f"helper process pid {pid} ({state.strip()}{waits}): open files: {', '.join(files) or 'none'}")
+    deadline = time.monotonic() + wait_s  # a worker in the kernel's uninterruptible wait writes its stacks only
+    while written and time.monotonic() < deadline:
+        written = {path: size for path, size in written.items() if "\nreading: " not in _read(path)[size:]}
+        time.sleep(0.05)
     return lines
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _descendants(root: int) -> list[int]:

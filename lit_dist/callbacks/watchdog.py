@@ -274,11 +274,6 @@ class HangWatchdog(Callback):
             except STORE_ERRORS:  # the store is gone with its rank: this rank speaks for itself
                 first = True
         path = _dump_stacks(_hang_file(trainer.default_root_dir, rank), rank, self._step, self._phase, waited)
-        if helpers := dump_helpers():  # loader workers: a read that blocks is in one of them
-            with open(path, "a") as f:
-                f.write("\nThis rank's helper processes (stacks of each loader worker in "
-                        f"{os.path.basename(path).removesuffix('.txt')}-worker-pid-PID.txt):\n" +
-                        "".join(f"  {line}\n" for line in helpers))
         if first:
             behind, progress = _behind(store, world, rank, self._step, self._phase)
             node_of = (lambda r: self._control.where(r)["node"]) if self._control is not None else (lambda r: None)
@@ -378,8 +373,11 @@ def _await_end(run_dir: str, world: int, store, deadline: float) -> None:
 
 
 def _dump_stacks(path: str, rank: int, step: int, phase: int, waited: float) -> str:
-    """Append every thread's Python stack to the rank's hang file; returns the path."""
+    """Append every thread's Python stack, then its loader workers' states, to the rank's hang file in one write
+    (the others take a file that is not empty for a finished dump); returns the path."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    # The workers first: their own files are written before this rank's says it is done.
+    helpers = dump_helpers(path.removesuffix(".txt"))  # loader workers: a blocked read is in one of them
     names = {t.ident: t.name for t in threading.enumerate()}
     lines = [f"rank {rank} on {socket.gethostname()} (pid {os.getpid()}): last finished step {step}, "
              f"now in step {step + 1}: {PHASES[phase]}; {compat.collectives_issued()} collectives issued; "
@@ -387,6 +385,13 @@ def _dump_stacks(path: str, rank: int, step: int, phase: int, waited: float) -> 
     for ident, frame in sys._current_frames().items():
         lines.append(f"\nThread {names.get(ident, ident)} (most recent call last):\n")
         lines += traceback.format_stack(frame)
-    with open(path, "a") as f:  # the last resort's descriptor appends to the same file
-        f.writelines(lines)
+    if helpers:
+        lines.append(f"\nThis rank's helper processes (stacks of each loader worker in "
+                     f"{os.path.basename(path).removesuffix('.txt')}-worker-pid-PID.txt):\n")
+        lines += [f"  {line}\n" for line in helpers]
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # the last resort appends to it too
+    try:
+        os.write(fd, "".join(lines).encode())
+    finally:
+        os.close(fd)
     return path

@@ -112,8 +112,12 @@ def test_a_read_that_blocks_in_a_loader_worker_is_named_with_the_workers_stack_a
     assert "waiting for the batch" in out.stderr, out.stderr[-3000:]
     behind = int(re.search(r"ranks behind: (\d)", out.stderr).group(1))
     hang = tmp_path / "quickstart" / "r" / "hang"
+    for rank in (0, 1):  # each rank lists (and signals) its own workers only, though rank 0 is rank 1's parent
+        listed = re.findall(r"helper process pid \d+ .*", (hang / f"rank-{rank}.txt").read_text())
+        assert listed and all(f"rank-{rank}-worker-pid-" in line and f"rank-{1 - rank}-" not in line
+                              for line in listed), listed
     dump = (hang / f"rank-{behind}.txt").read_text()
-    pids = re.findall(r"helper process pid (\d+) \(S", dump)  # its loader workers, sleeping
+    pids = re.findall(r"helper process pid (\d+) ", dump)  # its loader workers (one of them sleeping in a read)
     workers = [(hang / f"rank-{behind}-worker-pid-{pid}.txt").read_text() for pid in pids]
     stuck = [w for w in workers if any(f"reading: {data / name}" in w for name in blocked)]
     assert len(stuck) == 1, (dump, workers)  # the worker says which file it is blocked on
