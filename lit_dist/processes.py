@@ -188,12 +188,20 @@ _SIGNAL_BY_TEXT = {signal.strsignal(s): s.name for s in signal.Signals if signal
 
 def worker_death(exc: BaseException, rank: int) -> ProcessDied | None:
     """A ProcessDied for PyTorch's error about a dead loader worker (anywhere in ``exc``'s chain), else None."""
-    found, seen = [], set()
+    found, seen, handover = [], set(), None
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, RuntimeError) and (match := _WORKER_DIED.search(str(exc))):
             found.append(match.groups())
+        elif isinstance(exc, (ConnectionError, EOFError)) and handover is None:
+            handover = _loader_of(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
+    if not found and handover is not None:
+        # Killed while handing a batch over: the batch's shared memory travels as a file descriptor, fetched from
+        # the worker over a socket that the kernel closes with the worker; torch raises the socket's error as is.
+        dead = _dead_workers(handover)
+        if dead:
+            found = [(", ".join(str(pid) for pid, _ in dead), None, str(dead[0][1]))]
     if not found:
         return None
     # "exited unexpectedly" is often raised from the SIGCHLD handler's "is killed by signal": take the one that says how.
@@ -233,6 +241,35 @@ def peer_lost(exc: BaseException, rank: int, world: int = 1) -> ProcessDied | No
                                "N: Killed'); resume the run from its last checkpoint")
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _loader_of(tb):
+    """The loader iterator (PyTorch's, with worker processes) in whose ``next()`` a traceback was raised, or None."""
+    loader = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace(os.sep, "/").endswith("torch/utils/data/dataloader.py"):
+            candidate = tb.tb_frame.f_locals.get("self")
+            if hasattr(candidate, "_workers"):
+                loader = candidate
+        tb = tb.tb_next
+    return loader
+
+
+def _dead_workers(loader, wait_s: float = 2.0) -> list[tuple[int, int]]:
+    """(pid, return code) of ``loader``'s workers that have ended, waiting up to ``wait_s`` for their end to
+    reach this process (the socket closes as the worker dies; its return code comes a moment later)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = []
+        for worker in loader._workers:
+            try:
+                if worker.exitcode is not None:
+                    dead.append((worker.pid, worker.exitcode))
+            except ValueError:  # closed
+                pass
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
 
 
 def _worker_status(pid: int) -> int | None:

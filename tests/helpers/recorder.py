@@ -275,7 +275,11 @@ class KillRankAtStep(Callback):
             return
         if self.what == "rank":
             os.kill(os.getpid(), signal.SIGKILL)
-        loaders = [o for o in gc.get_objects() if isinstance(o, _MultiProcessingDataLoaderIter) and o._workers]
+        # The training loader's: the validation loader's (persistent) workers would be missed only at the next
+        # validation, an epoch later.
+        train = trainer.train_dataloader.dataset
+        loaders = [o for o in gc.get_objects()
+                   if isinstance(o, _MultiProcessingDataLoaderIter) and o._workers and o._dataset is train]
         os.kill(loaders[0]._workers[0].pid, signal.SIGKILL)
 
 

@@ -109,3 +109,32 @@ def test_a_lit_dist_error_raised_in_a_loader_worker_reaches_the_user_as_its_own_
         assert str(err) == "the data is broken\n  - because of this", str(err)  # not the worker's traceback
     else:
         raise AssertionError("no error")
+
+
+@pytest.mark.process
+def test_a_worker_killed_while_its_batch_is_handed_over_is_named_too():
+    # Seen in a 2-rank run whose train worker was SIGKILLed: the batch's shared memory is fetched from the worker
+    # over a socket, which the kernel resets as the worker dies. PyTorch names the worker only if it already knows
+    # it is dead; a moment earlier (its fork server has not told this process yet) it raises the socket's error.
+    import torch
+
+    from lit_dist.data.workers import context
+
+    loader = torch.utils.data.DataLoader(range(4), batch_size=1, num_workers=1,
+                                         multiprocessing_context=context("forkserver"))
+    batches = iter(loader)
+    worker = batches._workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    worker.is_alive = lambda: True  # what PyTorch's check saw, a moment before the end reached this process
+
+    def reset(*args, **kwargs):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    batches._data_queue.get = reset
+    with pytest.raises(ConnectionResetError) as caught:
+        next(batches)
+    err = worker_death(caught.value, rank=1)
+    assert err is not None and err.exit_code == ExitCode.PROCESS_DIED, err
+    assert str(err).startswith(f"rank 1: data loader worker (pid {worker.pid}) was killed by SIGKILL"), err
+    assert worker_death(ConnectionResetError(104, "Connection reset by peer"), rank=1) is None  # not a loader's
