@@ -55,7 +55,7 @@ from lit_dist.ckpt import resume
 from lit_dist.ckpt.files import write_bytes_atomically
 from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.saver import Rotation, Saver
-from lit_dist.ckpt.state import rng_state, set_rng_state
+from lit_dist.ckpt.state import rng_state, set_rng_state, start_rank_streams
 from lit_dist.ckpt.store import PROBE, STATE, CheckpointStore
 from lit_dist.control import Agreed, Event, RunControl
 from lit_dist.distributed import all_gather_object
@@ -324,13 +324,14 @@ class Checkpointing(Checkpoint):
             raise ConfigError("checkpoint.every_n_minutes needs lit_dist.control.RunControl among the trainer's "
                               "callbacks (lit-dist fit adds it; add RunControl() when building a Trainer yourself)")
         # As late as possible: whatever ran since the checkpoint was loaded must not shift the streams.
-        if self._rng is not None:
-            if len(self._rng) == trainer.world_size:
-                set_rng_state(self._rng[trainer.global_rank])
-            else:
+        if self._rng is not None and len(self._rng) == trainer.world_size:
+            set_rng_state(self._rng[trainer.global_rank])
+        else:
+            if self._rng is not None:
                 rank_zero_warn(f"lit-dist: the checkpoint holds random states of {len(self._rng)} ranks and this run "
                                f"has {trainer.world_size}: random streams restart from the seed")
-            self._rng = None
+            start_rank_streams(trainer.global_rank)
+        self._rng = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step

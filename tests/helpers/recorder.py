@@ -27,6 +27,24 @@ class LossRecorder(Callback):
         write_rank_json(trainer, "losses", self.losses)
 
 
+class RandomStreams(Callback):
+    """Writes a digest of this rank's torch random state at the start of every training step to
+    ``{run dir}/streams-rank{N}.json`` at the end (the state the objective's noise and timesteps come from)."""
+
+    def __init__(self):
+        self.digests = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import hashlib
+
+        import torch
+
+        self.digests.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16])
+
+    def on_train_end(self, trainer, pl_module):
+        write_rank_json(trainer, "streams", self.digests)
+
+
 class StopAtStep(Callback):
     """Stops training after optimizer step ``step`` on every rank, as a preempted run would."""
 
