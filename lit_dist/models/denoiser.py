@@ -1,13 +1,21 @@
 """A small conditional U-Net denoiser for the generative objectives (lit_dist.objectives), called as
 ``net(x_t, timestep, condition)``: small enough to train on a CPU in minutes, the shape of the real ones
-(a timestep embedding and a condition modulating every block, cross-attention to caption tokens at the
-lowest resolution). On a cluster name diffusers' ``UNet2DConditionModel`` or a transformer instead."""
+(a timestep embedding and a pooled condition modulating every block, cross-attention to caption tokens at
+every resolution but the first). On a cluster name diffusers' ``UNet2DConditionModel`` or a transformer instead.
+
+Caption tokens get a learned embedding of their position before anything attends to them. A pretrained text
+encoder already says which word a colour belongs to; the small random one of the quickstart says little, and
+without positions "a blue circle on a red background" and "a red circle on a blue background" are the same
+set of tokens to an attention layer: trained so, the samples had their two colours swapped as often as not.
+For the same reason the pooled condition is an attention pool (a learned query per head), not a mean."""
 
 import math
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from lit_dist.errors import ConfigError
 
 
 def timestep_embedding(timestep: torch.Tensor, dim: int) -> torch.Tensor:
@@ -50,11 +58,25 @@ class CrossAttention(nn.Module):
         return x + out.transpose(1, 2).reshape(b, c, h, w)
 
 
+class AttentionPool(nn.Module):
+    """Caption tokens (B, L, D) to one vector (B, out): learned queries, one per head, attend over the tokens."""
+
+    def __init__(self, context_dim: int, out: int, heads: int = 4):
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(1, 1, context_dim) * context_dim**-0.5)
+        self.attn = nn.MultiheadAttention(context_dim, heads, batch_first=True)
+        self.proj = nn.Linear(context_dim, out)
+
+    def forward(self, context: torch.Tensor) -> torch.Tensor:
+        pooled, _ = self.attn(self.query.expand(len(context), -1, -1), context, context, need_weights=False)
+        return self.proj(pooled[:, 0])
+
+
 class TinyUNet(nn.Module):
     """A conditional U-Net: ``net(x_t, timestep, condition) -> x_t``'s shape."""
 
     def __init__(self, in_channels: int = 3, channels: tuple[int, ...] = (32, 64, 128), context_dim: int | None = None,
-                 num_classes: int | None = None, embed_dim: int = 128):
+                 num_classes: int | None = None, embed_dim: int = 128, max_tokens: int = 256):
         """Build it.
 
         Args:
@@ -63,19 +85,26 @@ class TinyUNet(nn.Module):
             context_dim: Width of the caption embeddings (B, L, context_dim) or (B, context_dim); null: no captions.
             num_classes: With class labels as the condition: their number (label num_classes means "no label").
             embed_dim: Width of the timestep and condition embedding.
+            max_tokens: Most caption tokens (L) it takes: each position has a learned embedding.
         """
         super().__init__()
         self.embed_dim = embed_dim
         self.time = nn.Sequential(nn.Linear(embed_dim, embed_dim), nn.SiLU(), nn.Linear(embed_dim, embed_dim))
         self.labels = nn.Embedding(num_classes + 1, embed_dim) if num_classes else None
-        self.pooled = nn.Linear(context_dim, embed_dim) if context_dim else None
+        # The caption normalised, then its positions at half its scale: at GPT-2's 0.02 they were too faint to be
+        # learned from in a short run (a caption and its reverse still looked alike after 80 steps; at 0.3 to 1.0
+        # their losses differed tenfold), and a pretrained encoder's outputs can have any scale.
+        self.context_norm = nn.LayerNorm(context_dim) if context_dim else None
+        self.positions = nn.Parameter(torch.randn(max_tokens, context_dim) * 0.5) if context_dim else None
+        self.pooled = AttentionPool(context_dim, embed_dim) if context_dim else None
         self.stem = nn.Conv2d(in_channels, channels[0], 3, padding=1)
-        self.down = nn.ModuleList()
+        self.down, self.attn = nn.ModuleList(), nn.ModuleList()
         cin = channels[0]
-        for cout in channels:
+        for i, cout in enumerate(channels):
             self.down.append(Block(cin, cout, embed_dim))
+            # At every level but the first (full resolution, where attention costs the most and adds the least).
+            self.attn.append(CrossAttention(cout, context_dim) if context_dim and i else nn.Identity())
             cin = cout
-        self.attn = CrossAttention(cin, context_dim) if context_dim else None
         self.mid = Block(cin, cin, embed_dim)
         self.up = nn.ModuleList()
         for skip in reversed(channels):
@@ -92,16 +121,20 @@ class TinyUNet(nn.Module):
             emb = emb + self.labels(condition)
         elif condition is not None and self.pooled is not None:
             context = condition if condition.dim() == 3 else condition[:, None]  # (B, L, D)
-            emb = emb + self.pooled(context.mean(1).to(x.dtype))
+            if context.shape[1] > len(self.positions):
+                raise ConfigError(f"model.net: TinyUNet got {context.shape[1]} caption tokens, more than its "
+                                  f"max_tokens ({len(self.positions)}): raise model.net.init_args.max_tokens")
+            context = self.context_norm(context.to(x.dtype)) + self.positions[: context.shape[1]].to(x.dtype)
+            emb = emb + self.pooled(context)
         h = self.stem(x)
         skips = []
-        for i, block in enumerate(self.down):
+        for i, (block, attn) in enumerate(zip(self.down, self.attn, strict=True)):
             if i:
                 h = F.avg_pool2d(h, 2)
             h = block(h, emb)
+            if context is not None and isinstance(attn, CrossAttention):
+                h = attn(h, context)
             skips.append(h)
-        if self.attn is not None and context is not None:
-            h = self.attn(h, context.to(h.dtype))
         h = self.mid(h, emb)
         for block in self.up:
             skip = skips.pop()

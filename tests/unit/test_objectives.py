@@ -184,6 +184,30 @@ def test_the_tiny_unet_learns_what_each_condition_asks_for(condition):
     assert right < 0.5 * wrong, (right, wrong)
 
 
+def test_the_tiny_unet_tells_captions_of_the_same_tokens_in_another_order_apart():
+    """"a blue circle on a red background" and "a red circle on a blue background" hold the same tokens: two
+    captions, one the other reversed, name two colours. Attention without token positions (and a mean pool) sees
+    one set of tokens and cannot learn it; TinyUNet's learned positions can."""
+    torch.manual_seed(0)
+    colours = torch.tensor([[1.0, -1.0, -1.0], [-1.0, -1.0, 1.0]])
+    tokens = torch.randn(4, 16)
+    captions = torch.stack([tokens, tokens.flip(0)])  # (2 captions, 4 tokens, 16): one set of tokens
+    labels = torch.arange(12) % 2
+    b = {"image": colours[labels][:, :, None, None].expand(12, 3, 8, 8).contiguous(), "label": labels,
+         "caption_embedding": captions[labels], "row": torch.arange(12)}
+    objective = bound(FlowMatching(condition="caption", condition_dropout=0.0, timesteps="uniform"))
+    model = LitModel(net=TinyUNet(channels=(16, 32), context_dim=16, embed_dim=32), objective=objective)
+    train(model, b, steps=80)
+    model.eval()
+    with torch.no_grad():
+        right = model.compute_loss(b)[0]
+        wrong = model.compute_loss({**b, "caption_embedding": captions[1 - labels]})[0]
+    assert right < 0.5 * wrong, (right, wrong)
+
+    with pytest.raises(ConfigError, match=r"TinyUNet got 300 caption tokens, more than its max_tokens \(256\)"):
+        model.net(b["image"][:1], torch.zeros(1), torch.zeros(1, 300, 16))
+
+
 def test_diffusers_unet_works_through_the_denoiser_signature():
     from diffusers import UNet2DConditionModel
 
