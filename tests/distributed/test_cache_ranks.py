@@ -25,6 +25,7 @@ def write_config(path, demo_data, cache_dir) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_two_process_build_equals_one_process_build_and_trains(tmp_path, demo_data):
     one = write_config(tmp_path / "one.yaml", demo_data, tmp_path / "one")
     two = write_config(tmp_path / "two.yaml", demo_data, tmp_path / "two")

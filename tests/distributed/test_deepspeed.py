@@ -81,6 +81,7 @@ def test_every_preset_trains_validates_and_writes_a_plain_model(preset, uninterr
         torch.testing.assert_close(net(x), sharded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["zero2", "zero3"])
 def test_a_run_killed_mid_epoch_resumes_to_the_uninterrupted_weights(preset, tmp_path, demo_data, uninterrupted):
     straight = weights(uninterrupted(preset)[1])

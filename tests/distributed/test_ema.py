@@ -35,6 +35,7 @@ def checkpointed(run_dir) -> dict:
     return load_checkpoint_state(str(run_dir / "checkpoints"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_the_average_lives_with_the_parameters_and_resumes_bitwise(strategy, tmp_path, demo_data):
     straight = fit(tmp_path, demo_data, strategy, "straight")

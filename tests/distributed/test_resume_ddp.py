@@ -13,6 +13,7 @@ pytestmark = pytest.mark.distributed
 STOP, END = 7, 30  # 400 images, global batch 16: ~20 steps per epoch, so 7 is mid-epoch 0 and 30 in epoch 1
 
 
+@pytest.mark.slow
 def test_ddp_stopped_mid_epoch_and_resumed_equals_an_uninterrupted_run_bitwise(tmp_path, demo_data):
     common = ["fit", *quickstart_args(tmp_path, demo_data, model__net__class_path="tests.helpers.nets.DropoutCNN",
                                       trainer__devices=2, trainer__strategy="ddp", data__batch_size_per_device=8,

@@ -39,6 +39,7 @@ def grids(run_dir) -> dict[str, bytes]:
     return {p.name: Image.open(p).tobytes() for p in sorted((run_dir / "samples").glob("step-*.png"))}
 
 
+@pytest.mark.slow
 def test_the_grid_is_the_same_after_a_resume_and_the_run_the_same_as_without_samples(tmp_path, demo_data):
     straight = fit(tmp_path, demo_data, "straight", *SAMPLES)
     fit(tmp_path, demo_data, "resumed", *SAMPLES, "--trainer.callbacks+=tests.helpers.recorder.StopAtStep",

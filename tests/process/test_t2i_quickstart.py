@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 T2I = ["--config", str(CONFIGS / "t2i_quickstart.yaml")]
 
 
+@pytest.mark.slow
 def test_the_t2i_quickstart_trains_from_its_caption_cache_and_samples_a_grid(tmp_path, demo_data):
     out = lit_dist("fit", *T2I, "--data.metadata", str(demo_data), "--data.cache.dir", str(tmp_path / "cache"),
                    "--run.root_dir", str(tmp_path), "--run.run_id", "r", "--trainer.max_epochs", "3",

@@ -78,6 +78,7 @@ def test_a_run_s_own_checkpoint_exports_and_resumes_without_trusting_it(tmp_path
     assert out.returncode == 0 and "resuming from" in out.stdout + out.stderr, out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_resuming_from_a_checkpoint_that_would_run_code_needs_weights_only_false(tmp_path, demo_data):
     out, run = fit(tmp_path, demo_data)
     assert out.returncode == 0, out.stderr[-3000:]

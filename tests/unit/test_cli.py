@@ -208,6 +208,7 @@ def test_a_rerun_into_the_same_run_directory_does_not_abort(tmp_path, demo_data)
     assert out.returncode == 0 and "val/acc" in out.stdout, out.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.process
 def test_validate_test_and_predict_use_a_checkpoint(tmp_path, demo_data):
     common = quickstart_args(tmp_path, demo_data, data__num_workers=0, trainer__enable_progress_bar=False,
