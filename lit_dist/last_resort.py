@@ -125,7 +125,7 @@ def dump_helpers(prefix: str, wait_s: float = 2.0) -> list[str]:
     running, or not at all, in its own list. The wait: a rank that says it has dumped may be ended at once by
     the others, and its workers with it."""
     lines, mine = [], os.path.realpath(prefix) + "-worker-pid-"  # the kernel names open files by real path
-    written: dict[str, int] = {}  # each signalled worker's file: its size before the signal
+    written: dict[str, int] = {}  # each signalled worker's file: its length before the signal
     for pid in _descendants(os.getpid()):
         status = _read(f"/proc/{pid}/status")
         caught = int(next((ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), "0"), 16)
@@ -134,7 +134,7 @@ def dump_helpers(prefix: str, wait_s: float = 2.0) -> list[str]:
         files = sorted({target for target in _open_files(pid) if target.startswith("/") and not target.startswith("/dev/")})
         if f"{mine}{pid}.txt" not in files:
             continue  # another rank's worker
-        written[f"{mine}{pid}.txt"] = _size(f"{mine}{pid}.txt")
+        written[f"{mine}{pid}.txt"] = len(_read(f"{mine}{pid}.txt"))  # in characters, as it is sliced below
         try:
             os.kill(pid, DUMP_SIGNAL)
         except ProcessLookupError:
@@ -148,13 +148,6 @@ def dump_helpers(prefix: str, wait_s: float = 2.0) -> list[str]:
         written = {path: size for path, size in written.items() if "\nreading: " not in _read(path)[size:]}
         time.sleep(0.05)
     return lines
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def _descendants(root: int) -> list[int]:

@@ -7,7 +7,7 @@ Caption tokens get a learned embedding of their position before anything attends
 encoder already says which word a colour belongs to; the small random one of the quickstart says little, and
 without positions "a blue circle on a red background" and "a red circle on a blue background" are the same
 set of tokens to an attention layer: trained so, the samples had their two colours swapped as often as not.
-For the same reason the pooled condition is an attention pool (a learned query per head), not a mean."""
+For the same reason the pooled condition is an attention pool (one learned query), not a mean."""
 
 import math
 
@@ -59,7 +59,8 @@ class CrossAttention(nn.Module):
 
 
 class AttentionPool(nn.Module):
-    """Caption tokens (B, L, D) to one vector (B, out): learned queries, one per head, attend over the tokens."""
+    """Caption tokens (B, L, D) to one vector (B, out): a learned query attends over the tokens (each head with its
+    own projection of it)."""
 
     def __init__(self, context_dim: int, out: int, heads: int = 4):
         super().__init__()
