@@ -413,6 +413,7 @@ def main(args: list[str] | None = None) -> None:
                 processes.end_run(lost.exit_code)  # leaving the process group could wait on the dead peer
             raise
         print(f"lit-dist: error: {err}", file=sys.stderr)
+        processes.let_children_finish(err.exit_code)  # before this process's exit (and its store) ends them
         _leave_process_group()
         sys.exit(int(err.exit_code))
     except KeyboardInterrupt:

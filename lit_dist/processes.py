@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -167,6 +168,21 @@ def blame_child(wait_s: float = 3.0) -> ExitCode | None:
     while (found := watch.ended()) is None and time.monotonic() < deadline:
         time.sleep(0.1)
     return watch.conclude(*found) if found else None
+
+
+def let_children_finish(code: int) -> None:
+    """In rank 0, ending with ``code``: when it is an end every rank reaches (a full disk, a store gone, a
+    preemption...), wait up to SHARED_GRACE_S for the child ranks to say their own line and exit, since this
+    process's exit ends them (``die_with_parent``); a rank behind by a moment was otherwise cut off unheard."""
+    watch = ChildRanks.current
+    if watch is None or run_code(code) not in _SHARED | _AGREED:
+        return
+    deadline = time.monotonic() + SHARED_GRACE_S
+    for proc in watch.procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
 
 
 def end_run(code: int) -> None:
