@@ -377,8 +377,10 @@ def main(args: list[str] | None = None) -> None:
     argv = _drop_local_rank(sys.argv[1:] if args is None else args)
     try:
         from lit_dist import compat, processes
+        from lit_dist.console import whole_lines
         from lit_dist.noise import silence_lightning_noise
 
+        whole_lines()  # before any line: the ranks of a run share one console
         processes.join_launcher()
         compat.observe_child_ranks(processes.ChildRanks.start_for)
         compat.plain_console()

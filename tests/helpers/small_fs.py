@@ -48,7 +48,7 @@ def check_ended_full(out, checkpoints: Path, failed: int, newest: int, ranks: in
     nothing half-written left in ``checkpoints``; returns the line."""
     assert out.returncode == ExitCode.STORAGE_FULL, out.stderr[-4000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
-    assert len(errors) == ranks and len(set(errors)) == 1, errors
+    assert len(errors) == ranks and len(set(errors)) == 1, (errors, out.stderr[-3000:])
     line = errors[0]
     assert re.search(r"has [\d.]+ (bytes|KB|MB) free.*, a checkpoint takes [\d.]+ KB;", line), line
     for fact in (f"checkpoint {checkpoint_name(failed)} does not fit in {checkpoints}", "No space left on device", f"the newest complete checkpoint is {checkpoint_name(newest)}",
