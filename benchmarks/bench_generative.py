@@ -16,8 +16,8 @@ text-to-image quickstart with a sample grid, and what the weight average (model.
    step vs without, ``--repeats`` runs each, alternating, medians: target >= 0.97. And the bytes of the
    average that rank 0 of 2 processes holds under FSDP2 vs DDP: target <= 0.55.
 
-    .venv/bin/python -m benchmarks.bench_generative [--parts latent t2i sampling ema] [--images 2000] [--epochs 3]
-                                                    [--t2i-epochs 5] [--ema-steps 300] [--repeats 5] [--out DIR]
+    .venv/bin/python -m benchmarks.bench_generative [--parts latent t2i sampling ema] [--images 3000] [--epochs 3]
+                                                    [--t2i-epochs 60] [--ema-steps 300] [--repeats 5] [--out DIR]
 """
 
 import argparse
@@ -187,9 +187,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parts = ["latent", "t2i", "sampling", "ema"]
     parser.add_argument("--parts", nargs="+", default=parts, choices=parts)
-    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--images", type=int, default=3000, help="demo shapes (the quickstarts' 3,000)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs of each latent run")
-    parser.add_argument("--t2i-epochs", type=int, default=20, help="epochs of the t2i run (its config's 20)")
+    parser.add_argument("--t2i-epochs", type=int, default=60, help="epochs of the t2i run (its config's 60)")
     parser.add_argument("--judge", help="the quickstart classifier's model.pt; default: train it here (about a minute)")
     parser.add_argument("--ema-steps", type=int, default=300, help="steps of each EMA speed run")
     parser.add_argument("--repeats", type=int, default=5, help="EMA speed runs with and without, each")
