@@ -71,10 +71,11 @@ def test_a_process_that_asked_to_die_with_its_parent_does(tmp_path):
     assert not alive, f"the child {child} outlived its parent"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("code, heard", [(ExitCode.STORAGE_FULL, True), (ExitCode.DATA_ERROR, False)])
 def test_rank_0_ending_as_every_rank_does_lets_its_child_rank_say_its_line_first(code, heard):
-    # Rank 0 ends its child ranks by ending (die_with_parent); a child a moment behind on the same way out (CI: a
-    # full disk's second line missing) is waited for, one that may be stuck in a collective is not.
+    # Rank 0 ends its child ranks by ending (die_with_parent); a child a moment behind on the same way out (a full
+    # disk's line of its own still to print) is waited for, one that may be stuck in a collective is not.
     script = ("import os, subprocess, sys; from lit_dist import processes\n"
               "child = subprocess.Popen([sys.executable, '-c', 'import sys, time; from lit_dist.processes import "
               "die_with_parent; die_with_parent(int(sys.argv[1])); time.sleep(1.5); print(\"child: my line\", "
