@@ -51,6 +51,13 @@ def lr_scale_factor(mode: str, effective_batch: int, base_batch: int) -> float:
     return ratio if mode == "linear" else math.sqrt(ratio)
 
 
+def lr_decay_factor(kind: str, step: int, steps: int, floor: float) -> float:
+    """The multiple of the lr at ``step`` of ``steps`` decay steps: from 1 down to ``floor`` at the last one."""
+    progress = min(1.0, step / max(1, steps - 1))
+    shape = 1 - progress if kind == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * shape
+
+
 class LitModel(LightningModule):
     """Trains ``net`` with a loss, an optimizer and an LR schedule given in the YAML."""
 
@@ -65,6 +72,8 @@ class LitModel(LightningModule):
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         base_batch_size: int = 256,
         warmup_steps: int = 0,
+        lr_decay: Literal["none", "linear", "cosine"] = "none",
+        min_lr_ratio: float = 0.0,
         compile: bool = False,
         input_key: str = "image",
         target_key: str = "label",
@@ -82,6 +91,9 @@ class LitModel(LightningModule):
             lr_scaling: Scale the optimizer's lr by the effective batch / base_batch_size: none, linear or sqrt.
             base_batch_size: Effective batch the configured lr was tuned for (used by lr_scaling).
             warmup_steps: Optimizer steps of linear LR warmup from lr / warmup_steps to lr; 0 turns it off.
+            lr_decay: After warmup, decay the lr over the rest of the run (max_steps or max_epochs): none, linear or
+                cosine.
+            min_lr_ratio: The lr at the run's last step as a fraction of lr, for lr_decay.
             compile: Compile the network with torch.compile (keeps parameter names, so checkpoints stay portable).
             input_key: Key of the network input in a batch.
             target_key: Key of the target in a batch.
@@ -94,6 +106,13 @@ class LitModel(LightningModule):
             problems.append(f"model.base_batch_size = {base_batch_size}: must be >= 1")
         if warmup_steps < 0:
             problems.append(f"model.warmup_steps = {warmup_steps}: must be >= 0")
+        if lr_decay not in ("none", "linear", "cosine"):
+            problems.append(f"model.lr_decay = {lr_decay!r}: must be none, linear or cosine")
+        if not 0 <= min_lr_ratio <= 1:
+            problems.append(f"model.min_lr_ratio = {min_lr_ratio}: must be between 0 and 1")
+        if lr_decay != "none" and lr_scheduler is not None:
+            problems.append(f"model.lr_decay = {lr_decay!r} and model.lr_scheduler both set the lr after warmup: "
+                            "keep one (lr_decay: none to use the scheduler)")
         if lr_scaling not in ("none", "linear", "sqrt"):
             problems.append(f"model.lr_scaling = {lr_scaling!r}: must be none, linear or sqrt")
         if float32_matmul_precision not in ("highest", "high", "medium"):
@@ -130,6 +149,8 @@ class LitModel(LightningModule):
         self.lr_scaling = lr_scaling
         self.base_batch_size = base_batch_size
         self.warmup_steps = warmup_steps
+        self.lr_decay = lr_decay
+        self.min_lr_ratio = min_lr_ratio
         self.compile = compile
         self.input_key = input_key
         self.target_key = target_key
@@ -190,6 +211,8 @@ class LitModel(LightningModule):
         # reduced lr as its starting point.
         if self.lr_scheduler_factory is not None:
             schedulers.append(self.lr_scheduler_factory(optimizer))
+        if self.lr_decay != "none":
+            schedulers.append(self._decay(optimizer))
         if self.warmup_steps > 1:
             # Step k runs at lr * (k + 1) / warmup_steps: lr / warmup_steps first, the full lr at the last warmup step.
             warmup = torch.optim.lr_scheduler.LinearLR(
@@ -204,6 +227,16 @@ class LitModel(LightningModule):
             scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers, milestones=[self.warmup_steps])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def _decay(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """The lr after warmup, down to min_lr_ratio x lr at the run's last optimizer step."""
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ConfigError(f"model.lr_decay = {self.lr_decay!r} decays over the whole run, and this run has no end: "
+                              "set trainer.max_steps or trainer.max_epochs, or model.lr_decay: none")
+        steps = int(total) - (self.warmup_steps if self.warmup_steps > 1 else 0)  # the milestone restarts it at 0
+        kind, floor = self.lr_decay, self.min_lr_ratio
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_decay_factor(kind, step, steps, floor))
+
     def _log_batch_and_lr(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
         lr = optimizer.param_groups[0]["lr"]
         effective = self.effective_batch_size()
@@ -213,9 +246,10 @@ class LitModel(LightningModule):
                      f"x {self.trainer.accumulate_grad_batches} accumulation")
         else:
             batch = "effective batch unknown (the data module has no batch_size_per_device)"
+        decay = "" if self.lr_decay == "none" else f", then {self.lr_decay} decay to {self.min_lr_ratio:g} x lr"
         rank_zero_info(
             f"lit-dist: {batch}; lr {lr:.4g} (lr_scaling {self.lr_scaling}, x{scale:.4g} against base batch "
-            f"{self.base_batch_size}); warmup {self.warmup_steps} steps"
+            f"{self.base_batch_size}); warmup {self.warmup_steps} steps{decay}"
         )
         if self.logger is not None:
             self.logger.log_hyperparams({"effective_batch_size": effective or 0, "scaled_lr": lr, "lr_scale": scale})

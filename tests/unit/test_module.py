@@ -5,6 +5,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_dist.data.datamodule import BucketDataModule
+from lit_dist.errors import ConfigError
 from lit_dist.models import SimpleCNN
 from lit_dist.module import LitModel
 
@@ -15,16 +16,17 @@ def test_simple_cnn_takes_any_size_and_aspect():
         assert net(torch.randn(2, 3, h, w)).shape == (2, 5)
 
 
-def attach(model, devices_batch=16, world=1, accumulate=1):
+def attach(model, devices_batch=16, world=1, accumulate=1, steps=float("inf")):
     class FakeTrainer:
         world_size = world
         accumulate_grad_batches = accumulate
+        estimated_stepping_batches = steps
         logger = None
 
         class datamodule:
             batch_size_per_device = devices_batch
 
-    model._trainer = FakeTrainer()  # only what lr_scale reads
+    model._trainer = FakeTrainer()  # only what lr_scale and the lr decay read
     return model
 
 
@@ -52,6 +54,34 @@ def test_warmup_then_the_configured_schedule(tmp_path):
         scheduler.step()
     assert lrs[:5] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
     assert lrs[5] < 0.1 and lrs[6] < lrs[5], "after warmup the configured scheduler takes over"
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_warmup_then_decay_to_the_floor_at_the_runs_last_step(kind):
+    model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), warmup_steps=4,
+                     lr_decay=kind, min_lr_ratio=0.1)
+    attach(model, steps=15)
+    config = model.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(15):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[:5] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1]), "warmup, then decay starts from the full lr"
+    assert all(b < a for a, b in zip(lrs[4:], lrs[5:])), lrs
+    assert lrs[-1] == pytest.approx(0.01), "the floor is reached at the last step, not before or after"
+    assert lrs[9] == pytest.approx(0.055), "halfway through the decay: half way to the floor, linear and cosine alike"
+
+
+def test_lr_decay_needs_a_run_length_and_no_second_scheduler():
+    model = attach(LitModel(SimpleCNN(), lr_decay="cosine"))
+    with pytest.raises(ConfigError, match="trainer.max_steps or trainer.max_epochs"):
+        model.configure_optimizers()
+    with pytest.raises(ConfigError, match="model.lr_decay = 'cosine' and model.lr_scheduler"):
+        LitModel(SimpleCNN(), lr_decay="cosine", lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))
+    with pytest.raises(ConfigError, match="model.min_lr_ratio = 2"):
+        LitModel(SimpleCNN(), lr_decay="linear", min_lr_ratio=2)
 
 
 class Regression(LitModel):
