@@ -137,6 +137,12 @@ class EMA(nn.Module):
             params = [p.float() for p in params]
         torch._foreach_lerp_(averages, params, weight)
 
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Copy the weights into the average (a checkpoint without one was loaded into the parameters)."""
+        averages, params = self._tensors()
+        torch._foreach_copy_(averages, [p.float() for p in params])
+
     # -- evaluation with the average --------------------------------------------------------------------
 
     @torch.no_grad()

@@ -38,6 +38,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from lit_dist.ckpt.match import differences, refuse
 from lit_dist.ema import EMA
 from lit_dist.errors import ConfigError
 from lit_dist.objectives import Classification, Generative, Objective
@@ -274,6 +275,11 @@ class LitModel(LightningModule):
         state = checkpoint.get("state_dict")
         if state is None:  # a sharded checkpoint: the strategy loads the model itself
             return
+        if self.strict_loading:
+            model = {key: tuple(tensor.shape) for key, tensor in self.state_dict().items()}
+            saved = {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None for key, value in state.items()}
+            refuse(getattr(self._trainer, "ckpt_path", None) or "being loaded",
+                   differences(saved, model, self.optional_state))
         saved = [k for k in state if k.startswith("ema.average.")]
         if self.ema is None:
             for key in saved:  # averaged in an earlier run, not in this one
@@ -283,6 +289,18 @@ class LitModel(LightningModule):
             rank_zero_info("lit-dist: the checkpoint has no weight average (model.ema): it starts from its weights")
             for name in self.ema.names:
                 state[f"ema.average.{name}"] = state[f"net.{name}"].detach().clone().float()
+
+    def optional_state(self, key: str) -> bool:
+        """A state-dict key a checkpoint may lack (started from the weights) or hold without this model (dropped):
+        the weight average's, which model.ema turns on or off at a resume."""
+        return key.startswith("ema.average.")
+
+    def start_unsaved(self, keys: list[str]) -> None:
+        """After a sharded load without the weight average (model.ema turned on at this resume): start it from the
+        weights, as on_load_checkpoint does for a whole checkpoint."""
+        if self.ema is not None and any(key.startswith("ema.average.") for key in keys):
+            rank_zero_info("lit-dist: the checkpoint has no weight average (model.ema): it starts from its weights")
+            self.ema.restart()
 
     def on_train_start(self) -> None:
         # Lightning copies every prog_bar metric to the host after every batch, bar or no bar: a host-device sync

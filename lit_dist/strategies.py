@@ -18,6 +18,7 @@ import importlib.util
 import os
 import re
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -25,6 +26,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 from torch import nn
 
+from lit_dist.ckpt.match import differences, refuse
 from lit_dist.errors import ConfigError
 
 
@@ -126,6 +128,66 @@ class FSDP2Strategy(ModelParallelStrategy):
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         fully_shard(net, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         net._lit_dist_sharded = True
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        """Lightning's load, checked first against the model: a tensor of another shape or name is one
+        clear error instead of DCP's traceback, and those the module may lack (its ``optional_state``, e.g. a
+        weight average turned on at this resume) are left out of the load and started by ``start_unsaved``."""
+        path = Path(self.broadcast(checkpoint_path))
+        saved, sharded = _saved_shapes(path, weights_only)
+        if saved is None:
+            return super().load_checkpoint(path, weights_only)
+        module = self.lightning_module
+        model = {key: tuple(tensor.shape) for key, tensor in module.state_dict().items()}
+        optional = getattr(module, "optional_state", lambda key: False)
+        refuse(path, differences(saved, model, optional) if module.strict_loading else [])
+        unsaved = [key for key in model if key not in saved]
+        if not unsaved:
+            return super().load_checkpoint(path, weights_only)
+        # DCP loads what the module's state dict names (so the unsaved keys leave it); a whole file is loaded
+        # key by key against the module, non-strictly now that every difference has been checked above.
+        handles = [module.register_state_dict_post_hook(_drop(unsaved)),
+                   module.register_load_state_dict_post_hook(_not_missing(unsaved))]
+        strict, module.strict_loading = module.strict_loading, module.strict_loading and sharded
+        try:
+            checkpoint = super().load_checkpoint(path, weights_only)
+        finally:
+            module.strict_loading = strict
+            for handle in handles:
+                handle.remove()
+        module.start_unsaved(unsaved)
+        return checkpoint
+
+
+def _saved_shapes(path: Path, weights_only: bool | None) -> tuple[dict | None, bool]:
+    """The model tensors' (global) shapes in the checkpoint at ``path``, and whether it is sharded (DCP)."""
+    if path.is_file():
+        state = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only is not False)
+        return {key: tuple(value.shape) if isinstance(value, torch.Tensor) else None
+                for key, value in state.get("state_dict", {}).items()}, False
+    if not (path / ".metadata").is_file():
+        return None, False
+    from torch.distributed.checkpoint import FileSystemReader
+
+    # Read as torch reads it right after; the CLI has vetted its pickle (lit_dist.ckpt.pickles.vet_sharded).
+    entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key.removeprefix("state_dict."): tuple(entry.size) if hasattr(entry, "size") else None
+            for key, entry in entries.items() if key.startswith("state_dict.")}, True  # Lightning's model entry
+
+
+def _drop(keys: list[str]):
+    def hook(module, state_dict, prefix, local_metadata):
+        for key in keys:
+            state_dict.pop(prefix + key, None)
+    return hook
+
+
+def _not_missing(keys: list[str]):
+    def hook(module, incompatible):
+        for key in keys:
+            if key in incompatible.missing_keys:
+                incompatible.missing_keys.remove(key)
+    return hook
 
 
 class FSDPStrategy(LightningFSDPStrategy):

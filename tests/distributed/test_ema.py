@@ -64,3 +64,36 @@ def test_the_average_lives_with_the_parameters_and_resumes_bitwise(strategy, tmp
     assert all(torch.equal(exported[k.removeprefix("ema.average.")], state[k]) for k in averaged)
     assert any(not torch.equal(state[k], state["net." + k.removeprefix("ema.average.")]) for k in averaged), \
         "the average is not the weights"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [True, False])
+def test_an_fsdp2_resume_turns_the_average_on_or_off_and_a_changed_network_gets_one_line(sharded, tmp_path,
+                                                                                        demo_data):
+    def resume(max_steps, *extra):
+        args = quickstart_args(tmp_path, demo_data, CONFIGS / "fsdp2.yaml", trainer__devices=2,
+                               data__batch_size_per_device=8, data__num_workers=0, trainer__max_steps=max_steps,
+                               trainer__enable_progress_bar=False, trainer__limit_val_batches=0,
+                               checkpoint__every_n_epochs=None, checkpoint__every_n_steps=4, run__run_id="r",
+                               export__filename=None)
+        return lit_dist("fit", *args, "--model.net.init_args.norm", "group", "--trainer.strategy.init_args."
+                        "save_distributed_checkpoint", str(sharded).lower(), *extra, timeout=300)
+
+    checkpoints = tmp_path / "quickstart" / "r" / "checkpoints"
+    assert resume(4).returncode == 0
+    out = resume(8, "--model.ema.start_step", "100")  # turned on here; not updated before step 100
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "has no weight average (model.ema): it starts from its weights" in out.stderr
+    saved, now = (load_checkpoint_state(str(checkpoints / f"step-{s:09d}")) for s in (4, 8))
+    averaged = [k for k in now if k.startswith("ema.average.")]
+    assert averaged and all(torch.equal(now[k], saved["net." + k.removeprefix("ema.average.")]) for k in averaged), \
+        "the average starts from the weights the run resumed with"
+
+    out = resume(12)  # turned off again: the saved average is left behind
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not any(k.startswith("ema.") for k in load_checkpoint_state(str(checkpoints / "step-000000012")))
+
+    out = resume(16, "--model.net.init_args.num_classes", "7")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(errors) == 2 and "holds net.head.weight of shape (4, 64), this model's is (7, 64)" in errors[0], errors

@@ -159,6 +159,20 @@ def test_a_checkpoint_without_an_average_starts_it_from_its_weights_and_one_with
     without.load_state_dict(saved["state_dict"])  # strict: the average dropped
 
 
+def test_a_checkpoint_of_another_network_is_one_clear_error_naming_the_first_difference(tmp_path):
+    model, _ = fit_with_ema(tmp_path, EMA(decay=0.8))
+    state = dict(model.state_dict())
+    wider = {**state, "net.body.head.weight": torch.zeros(9, *state["net.body.head.weight"].shape[1:])}
+    with pytest.raises(ConfigError, match=r"being loaded holds net.body.head.weight of shape \(9, "):
+        LitModel(FrozenStem(), ema=EMA(decay=0.8)).on_load_checkpoint({"state_dict": wider})
+    fewer = {k: v for k, v in state.items() if k != "net.body.head.bias"}
+    with pytest.raises(ConfigError, match="has no net.body.head.bias: it was saved by another model.net"):
+        LitModel(FrozenStem()).on_load_checkpoint({"state_dict": fewer})
+    more = {**state, "net.extra.weight": torch.zeros(1)}
+    with pytest.raises(ConfigError, match="holds net.extra.weight, which this model does not have"):
+        LitModel(FrozenStem()).on_load_checkpoint({"state_dict": more})
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("decay", 1.0, "model.ema.decay = 1.0: must be in [0, 1)"),
     ("every_n_steps", 0, "model.ema.every_n_steps = 0: must be >= 1"),
