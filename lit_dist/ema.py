@@ -105,7 +105,16 @@ class EMA(nn.Module):
         """(averages, parameters) as local float32 / parameter-dtype tensors, in the same order."""
         if self._pairs is None:
             averages = [_local(self.average.get_buffer(name)) for name in self.names]
-            self._pairs = (averages, [_local(p) for p in self._params])
+            params = [_local(p) for p in self._params]
+            for name, average, param in zip(self.names, averages, params, strict=True):
+                # Once per set of tensors, host metadata only. A strategy that moved the parameters away after
+                # attach (ZeRO-3's partitions) or cast the average would otherwise average garbage silently.
+                if average.shape != param.shape or average.dtype != torch.float32:
+                    raise ConfigError(
+                        f"model.ema: the average of {name} is {tuple(average.shape)} {average.dtype} where the "
+                        f"parameter is {tuple(param.shape)} {param.dtype}: this strategy moved or cast the weights "
+                        "after the average was made (ZeRO-3 partitions them); use DDP, FSDP2 or DeepSpeed ZeRO-1/2")
+            self._pairs = (averages, params)
         return self._pairs
 
     # -- the schedule (host integers only) --------------------------------------------------------------

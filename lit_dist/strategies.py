@@ -362,10 +362,11 @@ def check_deepspeed(config, world_size: int) -> tuple[list[str], list[str]]:
     zero = ds.get("zero_optimization", {})
     stage = zero.get("stage", args.get("stage", 2))
     problems, warnings = [], []
-    if getattr(getattr(config.model, "init_args", config.model), "ema", None) is not None:
-        problems.append("model.ema does not work under DeepSpeed yet (DeepSpeed casts the module's buffers to bf16, and "
-                        "ZeRO-3 partitions the parameters): train with DDP or FSDP2 (configs/fsdp2.yaml), or leave "
-                        "model.ema out")
+    if stage == 3 and getattr(getattr(config.model, "init_args", config.model), "ema", None) is not None:
+        problems.append("model.ema does not work under DeepSpeed ZeRO-3 yet: ZeRO-3 partitions the parameters, and an "
+                        "average that follows its partitions is still to come. Use ZeRO-1 or ZeRO-2 "
+                        "(configs/deepspeed_zero2.yaml: a whole average per rank, as under DDP), FSDP2 for sharded "
+                        "parameters with a sharded average (configs/fsdp2.yaml), or leave model.ema out")
     per_device = getattr(getattr(config.data, "init_args", config.data), "batch_size_per_device", None)
     accumulate = int(config.trainer.accumulate_grad_batches or 1)
     ours = {"train_micro_batch_size_per_gpu": per_device, "gradient_accumulation_steps": accumulate,

@@ -187,3 +187,19 @@ def test_bad_settings_name_the_field(field, value, message):
 def test_a_network_with_nothing_to_train_is_refused():
     with pytest.raises(ConfigError, match="no trainable parameters"):
         EMA().attach(nn.Linear(2, 2).requires_grad_(False))
+
+
+def test_parameters_moved_or_an_average_cast_after_attach_are_refused_not_averaged():
+    # ZeRO-3 empties each parameter into its partition after the average was made; an older DeepSpeed cast buffers.
+    ema = EMA(decay=0.5)
+    net = nn.Linear(3, 2)
+    ema.attach(net)
+    net.weight.data = torch.empty(0)
+    with pytest.raises(ConfigError, match=r"model.ema: the average of weight is \(2, 3\) torch.float32 where the "
+                                          r"parameter is \(0,\) torch.float32"):
+        ema.update(1)
+    ema = EMA(decay=0.5)
+    ema.attach(nn.Linear(3, 2))
+    ema.to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="torch.bfloat16 where the parameter is"):
+        ema.update(1)
