@@ -70,7 +70,7 @@ class Measure(Callback):
             self.bytes[kind] = os.path.getsize(path)
             os.unlink(path)
         else:
-            cb.async_save = kind == "async"
+            cb.saver(trainer).async_save = kind == "async"  # the writer's own switch: it is made once per run
             cb.save(trainer, "benchmark")  # for async: waits for the previous write first, counted as stall
             self.times[kind].append(time.perf_counter() - start)
             if kind == "sync":
