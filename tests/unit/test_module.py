@@ -37,6 +37,18 @@ def test_lr_scales_with_the_effective_batch(mode, expected):
     assert model.lr_scale() == pytest.approx(expected)
 
 
+def lrs_of(model, steps: int) -> list[float]:
+    """The lr of each of ``steps`` optimizer steps under the model's optimizer and schedule."""
+    config = model.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
 def test_warmup_then_the_configured_schedule(tmp_path):
     model = LitModel(
         SimpleCNN(num_classes=4),
@@ -44,14 +56,7 @@ def test_warmup_then_the_configured_schedule(tmp_path):
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
         warmup_steps=4,
     )
-    attach(model)
-    config = model.configure_optimizers()
-    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    lrs = []
-    for _ in range(7):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+    lrs = lrs_of(attach(model), 7)
     assert lrs[:5] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1])
     assert lrs[5] < 0.1 and lrs[6] < lrs[5], "after warmup the configured scheduler takes over"
 
@@ -60,14 +65,7 @@ def test_warmup_then_the_configured_schedule(tmp_path):
 def test_warmup_then_decay_to_the_floor_at_the_runs_last_step(kind):
     model = LitModel(SimpleCNN(num_classes=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), warmup_steps=4,
                      lr_decay=kind, min_lr_ratio=0.1)
-    attach(model, steps=15)
-    config = model.configure_optimizers()
-    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    lrs = []
-    for _ in range(15):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+    lrs = lrs_of(attach(model, steps=15), 15)
     assert lrs[:5] == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1]), "warmup, then decay starts from the full lr"
     assert all(b < a for a, b in zip(lrs[4:-1], lrs[5:], strict=True)), lrs
     assert lrs[-1] == pytest.approx(0.01), "the floor is reached at the last step, not before or after"
