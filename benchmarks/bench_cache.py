@@ -21,8 +21,8 @@
 6. memory: bytes a run keeps per sample for a pixel + encoder cache, from a synthetic cache of
    1 M entries (index files only). Target <= 32.
 
-    .venv/bin/python -m benchmarks.bench_cache [--images 600] [--workers 2] [--epochs 15] [--skip-latent]
-                                               [--photos DIR]
+    .venv/bin/python -m benchmarks.bench_cache [--images 600] [--workers 2] [--rounds 5] [--epochs 15] [--skip-latent]
+                                               [--photos DIR] [--short]
 
 ``--photos DIR`` adds part 4 on the images of DIR (your own photos), resized to cover 256 on their
 short side as the pixel cache stores them; reported, not checked.
@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import ROOT, machine, result_line
+from benchmarks.common import ROOT, SHORT_HELP, machine, result_line
 
 RESOLUTION = 256
 
@@ -82,7 +82,7 @@ def epoch_rate(loader, epoch: int) -> float:
     return seen / (time.perf_counter() - started)
 
 
-def bench_loader(table: str, cache_dir: str, workers: int, rounds: int = 5) -> dict:
+def bench_loader(table: str, cache_dir: str, workers: int, rounds: int) -> dict:
     """Decoding and the cache, interleaved: after a first pass of each (which starts the decoding workers and
     brings the cache into the page cache), ``rounds`` times an epoch decoding then an epoch from the cache. The
     ratio is the median of the rounds' ratios: the two epochs of a round are a second or two apart, so the
@@ -110,7 +110,7 @@ def bench_loader(table: str, cache_dir: str, workers: int, rounds: int = 5) -> d
             "round_ratios": [round(r, 2) for r in ratios], "build_in_process_s": built}
 
 
-def bench_build(table: str, tmp: str) -> dict:
+def bench_build(table: str, tmp: str, rounds: int) -> dict:
     import yaml
 
     config = os.path.join(tmp, "build.yaml")
@@ -120,9 +120,9 @@ def bench_build(table: str, tmp: str) -> dict:
                         "data": {"metadata": table, "resolution": RESOLUTION, "num_workers": 0,
                                  "allow_oversubscription": True, "cache": {"dir": "", "mode": "build"}}}, f)
     runs = []  # samples/s of each run, 1 and 2 processes in turn
-    # Interleaved, the best of five runs each, as timeit takes the best of its repeats: what else runs on this
-    # VM slows single runs (two-process runs of the same build here: 277-355 samples/s), never speeds them up.
-    for ranks in (1, 2) * 5:
+    # Interleaved, the best of ``rounds`` (five) runs each, as timeit takes the best of its repeats: what else runs
+    # on this VM slows single runs (two-process runs of the same build here: 277-355 samples/s), never speeds them up.
+    for ranks in (1, 2) * rounds:
         extra = ["--trainer.devices", "2", "--trainer.strategy", "ddp"] if ranks == 2 else []
         out = subprocess.run([sys.executable, "-m", "lit_dist", "cache", "--config", config, "--data.cache.dir",
                               os.path.join(tmp, f"build-{ranks}-{time.monotonic_ns()}"), *extra],
@@ -135,23 +135,29 @@ def bench_build(table: str, tmp: str) -> dict:
     return {"one_process_samples_per_s": one, "two_processes_samples_per_s": two, "ratio": two / one, "runs": runs}
 
 
-def bench_latent(tmp: str, epochs: int, seeds: int = 2) -> dict:
+def bench_latent(tmp: str, epochs: int, seeds: int, images: int, warmup_steps: int) -> dict:
     """The shipped latent config from its cache (bf16 latents, ``seeds`` seeds; fp32 latents, one) vs the same
-    frozen VAE encoding every step (``seeds`` seeds): steps/s of the first seed, accuracy means over seeds."""
+    frozen VAE encoding every step (``seeds`` seeds) on ``images`` shapes (half for validation): steps/s of the
+    first seed after ``warmup_steps``, accuracy means over seeds."""
     import pyarrow.parquet as pq
 
     from lit_dist.data.demo import create_shapes_dataset
 
     table = os.path.join(tmp, "shapes", "metadata.parquet")
-    create_shapes_dataset(table, num_images=6000, seed=0, val_fraction=0.5)
+    create_shapes_dataset(table, num_images=images, seed=0, val_fraction=0.5)
     train_rows = pq.read_table(table, columns=["split"]).column("split").to_pylist().count("train")
     steps = epochs * (train_rows // 32)  # batch 32, one bucket, the last partial batch dropped
     cache = os.path.join(tmp, "latent-cache")
-    base = ["--config", "configs/latent_quickstart.yaml", "--data.metadata", table, "--data.cache.dir", cache]
+    # Oversubscription: a short run's few images leave a bucket under one batch (6,000 leave none).
+    base = ["--config", "configs/latent_quickstart.yaml", "--data.metadata", table, "--data.cache.dir", cache,
+            "--data.allow_oversubscription", "true"]
     subprocess.run([sys.executable, "-m", "lit_dist", "cache", *base], cwd=ROOT, check=True, capture_output=True)
+    # Validation every 5 epochs, or at the end of a shorter run: the accuracy is read from the last one.
     common = ["--trainer.max_epochs", str(epochs), "--trainer.enable_progress_bar", "false",
-              "--model.lr_scheduler.init_args.T_max", str(steps), "--trainer.check_val_every_n_epoch", "5",
-              "--trainer.callbacks+=benchmarks.common.StepTimer", "--run.root_dir", os.path.join(tmp, "runs")]
+              "--model.lr_scheduler.init_args.T_max", str(steps),
+              "--trainer.check_val_every_n_epoch", str(min(5, epochs)),
+              "--trainer.callbacks+=benchmarks.common.StepTimer", "--trainer.callbacks.warmup_steps", str(warmup_steps),
+              "--run.root_dir", os.path.join(tmp, "runs")]
     fp32 = ["--data.cache.encoder_dtype", "fp32", "--data.cache.dir", cache + "-fp32"]
     runs = [("cache", s, []) for s in range(seeds)] + [("cache_fp32", 0, fp32)]
     runs += [("on_the_fly", s, ["--config", "configs/latent_on_the_fly.yaml"]) for s in range(seeds)]
@@ -171,7 +177,7 @@ def bench_latent(tmp: str, epochs: int, seeds: int = 2) -> dict:
     every = [a for name in ("cache", "on_the_fly") for a in results[name]["val_acc"]]
     return {**results, "ratio": results["cache"]["steps_per_s"] / results["on_the_fly"]["steps_per_s"],
             "acc_points": points["cache"], "acc_points_fp32": points["cache_fp32"],
-            "seed_spread_points": 100 * (max(every) - min(every)), "validation_images": 6000 - train_rows}
+            "seed_spread_points": 100 * (max(every) - min(every)), "validation_images": images - train_rows}
 
 
 def entries(cache_dir: str, field: str, limit: int) -> list[np.ndarray]:
@@ -192,7 +198,7 @@ def entries(cache_dir: str, field: str, limit: int) -> list[np.ndarray]:
     return out
 
 
-def photo_latents(table: str, cache_dir: str, count: int = 100) -> list[np.ndarray]:
+def photo_latents(table: str, cache_dir: str, count: int) -> list[np.ndarray]:
     """Latents of the first ``count`` photos at 256^2 from the latent quickstart's VAE, as cached (bf16)."""
     import pyarrow.parquet as pq
     import torch
@@ -323,7 +329,7 @@ def bench_s3(table: str, tmp: str) -> dict:
         server.wait(10)
 
 
-def bench_memory(tmp: str, samples: int = 1_000_000) -> dict:
+def bench_memory(tmp: str, samples: int) -> dict:
     """Bytes per sample a run keeps for a pixel + encoder cache: a fresh process sets up the same table with and
     without a synthetic cache (index files whose keys match every row; no shard data is read)."""
     script = os.path.join(ROOT, "benchmarks", "_cache_memory.py")
@@ -337,11 +343,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=600)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="loader rounds, and build runs of 1 and of 2 processes")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--seeds", type=int, default=2, help="latent runs per arm, for the accuracy means")
+    parser.add_argument("--latent-images", type=int, default=6000,
+                        help="demo shapes of the latent runs, half for validation")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="latent steps before steps/s is timed")
+    parser.add_argument("--latent-photos", type=int, default=100, help="photos whose VAE latents part 4 compresses")
+    parser.add_argument("--memory-samples", type=int, default=1_000_000, help="entries of part 6's synthetic cache")
     parser.add_argument("--skip-latent", action="store_true", help="skip the latent runs (about 10 minutes)")
     parser.add_argument("--photos", help="a folder of your own photos: part 4 on them too (reported, not checked)")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:  # every part; part 5 reads samples 1 to 20
+        args.images, args.rounds, args.epochs, args.seeds, args.latent_images, args.warmup_steps = 24, 1, 1, 1, 200, 1
+        args.latent_photos, args.memory_samples = 4, 20_000
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-cache-")
     try:
         run(args, tmp)
@@ -351,19 +367,19 @@ def main() -> None:
 
 def run(args: argparse.Namespace, tmp: str) -> None:
     table = make_photos(os.path.join(tmp, "photos"), args.images)
-    loader = bench_loader(table, os.path.join(tmp, "pixels"), args.workers)
+    loader = bench_loader(table, os.path.join(tmp, "pixels"), args.workers, args.rounds)
     print(f"machine: {machine()}")
-    print(f"1. loader, {args.images} JPEGs of ~1 MP -> ~{RESOLUTION}^2 buckets, {args.workers} workers, medians of 5 "
-          f"interleaved rounds: decoding {loader['decode_samples_per_s']:.0f} samples/s, pixel cache "
+    print(f"1. loader, {args.images} JPEGs of ~1 MP -> ~{RESOLUTION}^2 buckets, {args.workers} workers, medians of "
+          f"{args.rounds} interleaved rounds: decoding {loader['decode_samples_per_s']:.0f} samples/s, pixel cache "
           f"{loader['cache_samples_per_s']:.0f} samples/s: {loader['ratio']:.1f}x (target >= 8; the rounds' ratios "
           f"{', '.join(f'{r:.1f}' for r in loader['round_ratios'])})")
-    build = bench_build(table, tmp)
+    build = bench_build(table, tmp, args.rounds)
     print(f"2. build, lit-dist cache, decoding in each rank: 1 process {build['one_process_samples_per_s']:.0f} samples/s, "
           f"2 processes {build['two_processes_samples_per_s']:.0f}: {build['ratio']:.2f}x (target >= 1.7; samples/s of "
           f"the runs in turn, 1 and 2 processes: {', '.join(map(str, build['runs']))})")
     latent = None
     if not args.skip_latent:
-        latent = bench_latent(tmp, args.epochs, args.seeds)
+        latent = bench_latent(tmp, args.epochs, args.seeds, args.latent_images, args.warmup_steps)
         accs = {name: ", ".join(f"{a:.4f}" for a in latent[name]["val_acc"]) for name in ("cache", "on_the_fly")}
         print(f"3. latent, {args.epochs} epochs: cache {latent['cache']['steps_per_s']:.1f} steps/s, on the fly "
               f"{latent['on_the_fly']['steps_per_s']:.1f} steps/s: {latent['ratio']:.1f}x (target >= 3); val/acc on "
@@ -380,7 +396,7 @@ def run(args: argparse.Namespace, tmp: str) -> None:
                  f"{name} as row differences (rows)": bench_compression(arrays, ROWS)})
 
     results, others = pixel_layouts("pixels", entries(os.path.join(tmp, "pixels"), "pixels", 200))
-    results["latents"] = bench_compression(photo_latents(table, os.path.join(tmp, "photo-latents")))
+    results["latents"] = bench_compression(photo_latents(table, os.path.join(tmp, "photo-latents"), args.latent_photos))
     if args.photos:
         arrays = folder_pixels(args.photos)
         for part in pixel_layouts(f"{len(arrays)} photos of {args.photos}", arrays):
@@ -395,7 +411,7 @@ def run(args: argparse.Namespace, tmp: str) -> None:
     s3 = bench_s3(table, tmp)
     print(f"5. S3: {s3['requests_per_sample']:.2f} requests per sample read (ranged GETs: {s3['all_ranged_gets']}), "
           f"{s3['ms_per_sample']:.1f} ms each on the local server (target 1)")
-    memory = bench_memory(tmp)
+    memory = bench_memory(tmp, args.memory_samples)
     print(f"6. memory: {memory['bytes_per_sample']:.1f} bytes per further sample kept by a run with a pixel + encoder "
           f"cache (numpy and Arrow buffers, {memory['samples'] // 4} to {memory['samples']} samples; the lookups alone "
           f"{memory['view_bytes_per_sample']:.0f}; resident memory grows {memory['rss_bytes_per_sample']:.0f}, allocator "
@@ -414,7 +430,7 @@ def run(args: argparse.Namespace, tmp: str) -> None:
                 latent_acc_points=None if latent is None else round(latent["acc_points"], 2),
                 compression={k: {m: round(v, 2) for m, v in r.items()} for k, r in reported.items()},
                 s3_requests_per_sample=s3["requests_per_sample"], bytes_per_sample=round(memory["bytes_per_sample"], 1),
-                machine=machine())
+                machine=machine(), short=args.short)
 
 
 if __name__ == "__main__":

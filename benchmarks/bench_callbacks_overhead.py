@@ -3,7 +3,7 @@ that answers after 2 s) vs without either, same model and data, runs alternating
 
 Target (issue 5): ratio >= 0.99.
 
-    .venv/bin/python -m benchmarks.bench_callbacks_overhead [--repeats 5] [--steps 400]
+    .venv/bin/python -m benchmarks.bench_callbacks_overhead [--repeats 5] [--steps 400] [--short]
 """
 
 import argparse
@@ -16,7 +16,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from benchmarks.common import machine, result_line, run_bench
+from benchmarks.common import SHORT_HELP, machine, result_line, run_bench
 
 
 class SlowHandler(BaseHTTPRequestHandler):
@@ -35,7 +35,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:  # past StepTimer's 20 warm-up steps
+        args.repeats, args.steps = 1, 30
     server = ThreadingHTTPServer(("127.0.0.1", 0), SlowHandler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -70,7 +73,7 @@ def main() -> None:
     print(f"ratio: {ratio:.3f}  (target >= 0.99) {'OK' if ratio >= 0.99 else 'MISSED'}")
     result_line("callbacks_overhead", round(ratio, 4), ">= 0.99", ratio >= 0.99,
                 with_steps_per_s=round(med["with"], 2), without_steps_per_s=round(med["without"], 2),
-                steps=args.steps, repeats=args.repeats)
+                steps=args.steps, repeats=args.repeats, short=args.short)
 
 
 if __name__ == "__main__":

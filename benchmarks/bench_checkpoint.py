@@ -8,7 +8,7 @@
 Saves alternate (sync, async, bare) every ``--every`` steps of the same run, so all three see the
 same state size, page cache and disk.
 
-    .venv/bin/python -m benchmarks.bench_checkpoint [--repeats 5] [--every 16] [--dir PATH]
+    .venv/bin/python -m benchmarks.bench_checkpoint [--repeats 5] [--every 16] [--dir PATH] [--short]
 """
 
 import argparse
@@ -21,7 +21,7 @@ import time
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from benchmarks.common import InMemoryData, machine, result_line
+from benchmarks.common import SHORT_HELP, InMemoryData, machine, result_line
 from benchmarks.models import MLPClassifier
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt.store import STATE
@@ -83,10 +83,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--every", type=int, default=16, help="steps between two saves")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder on the repo's disk)")
+    parser.add_argument("--width", type=int, default=2048, help="MLPClassifier's width (the state's size)")
+    parser.add_argument("--depth", type=int, default=9, help="MLPClassifier's residual blocks")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:  # one save of each kind, each followed by steps without one
+        args.repeats, args.every, args.width, args.depth = 1, 4, 256, 2
     root = tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=args.dir or os.getcwd())
     seed_everything(0)
-    model = LitModel(MLPClassifier(width=2048, depth=9), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    model = LitModel(MLPClassifier(width=args.width, depth=args.depth),
+                     optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
     checkpointing = Checkpointing(dirpath=os.path.join(root, "ckpt"), every_n_epochs=None, save_last=False, keep_last_n=2)
     measure = Measure(checkpointing, root, args.every, args.repeats)
     trainer = Trainer(max_steps=args.every * (3 * args.repeats + 3), logger=False, enable_progress_bar=False,
@@ -117,7 +123,7 @@ def main() -> None:
                 throughput_ratio=result["throughput_ratio"], throughput_target=">= 0.8",
                 throughput_met=result["throughput_ratio"] >= 0.8,
                 **{k: result[k] for k in ("state_mb", "sync_stall_s", "async_stall_s", "sync_mb_per_s",
-                                          "bare_torch_save_mb_per_s")})
+                                          "bare_torch_save_mb_per_s")}, short=args.short)
 
 
 if __name__ == "__main__":

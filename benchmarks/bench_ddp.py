@@ -7,7 +7,7 @@ steps: 4 saves in the run; with the 32-step epochs of the default 4,096 samples,
 cadence no real run has), preemption handling, the run control's exchange every 5 steps, progress
 lines. Target (issue "run control"): ratio >= 1.0.
 
-    .venv/bin/python -m benchmarks.bench_ddp [--repeats 5] [--steps 1000]
+    .venv/bin/python -m benchmarks.bench_ddp [--repeats 5] [--steps 1000] [--short]
 """
 
 import argparse
@@ -16,7 +16,7 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.common import machine, result_line, run_bench
+from benchmarks.common import SHORT_HELP, machine, result_line, run_bench
 
 
 def main() -> None:
@@ -24,7 +24,11 @@ def main() -> None:
     # Runs of 300 steps vary by +-8 % on a 2-core machine: long runs, five of each.
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--samples", type=int, default=32768, help="in-memory images (epochs of samples / 128 steps)")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:  # past StepTimer's 20 warm-up steps, over an epoch's end (a checkpoint)
+        args.repeats, args.steps, args.samples = 1, 30, 2048
     bindir = os.path.dirname(sys.executable)
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-")
     lit = [os.path.join(bindir, "lit-dist"), "fit", "--trainer.devices", "2", "--config", "configs/ddp.yaml",
@@ -32,8 +36,9 @@ def main() -> None:
            "--trainer.enable_model_summary", "false", "--trainer.callbacks+=benchmarks.common.StepTimer",
            "--run.root_dir", tmp, "--model.net", "lit_dist.models.SimpleCNN", "--model.net.num_classes", "4",
            "--model.optimizer.class_path", "torch.optim.AdamW", "--model.optimizer.init_args.lr", "0.001",
-           "--data", "benchmarks.common.InMemoryData", "--data.num_samples", "32768"]
-    plain = [os.path.join(bindir, "torchrun"), "--nproc_per_node", "2", "-m", "benchmarks.plain_ddp", str(args.steps)]
+           "--data", "benchmarks.common.InMemoryData", "--data.num_samples", str(args.samples)]
+    plain = [os.path.join(bindir, "torchrun"), "--nproc_per_node", "2", "-m", "benchmarks.plain_ddp", str(args.steps),
+             str(args.samples)]
     results: dict[str, list[float]] = {"lit-dist": [], "torchrun": []}
     for i in range(args.repeats):
         order = (("lit-dist", lit), ("torchrun", plain)) if i % 2 == 0 else (("torchrun", plain), ("lit-dist", lit))
@@ -47,7 +52,7 @@ def main() -> None:
     print(f"ratio (lit-dist / torchrun): {ratio:.3f}  (target >= 1.0) {'OK' if ratio >= 1.0 else 'MISSED'}")
     result_line("ddp", round(ratio, 4), ">= 1.0", ratio >= 1.0,
                 lit_dist_steps_per_s=round(med["lit-dist"], 2), torchrun_steps_per_s=round(med["torchrun"], 2),
-                steps=args.steps, repeats=args.repeats)
+                steps=args.steps, repeats=args.repeats, short=args.short)
 
 
 if __name__ == "__main__":

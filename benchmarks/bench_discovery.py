@@ -7,11 +7,10 @@ several under torchrun, which split the header reads among them, on a folder of 
 the rate inside the command (after start-up) and the wall clock of the whole command are shown; on
 a machine with few cores the split cannot gain much, since one process already uses them all.
 
-    .venv/bin/python -m benchmarks.bench_discovery [--images 2000] [--workers 2] [--split-images 4000]
+    .venv/bin/python -m benchmarks.bench_discovery [--images 2000] [--workers 2] [--split-images 4000] [--short]
 """
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -20,7 +19,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from benchmarks.common import ROOT, machine
+from benchmarks.common import ROOT, SHORT_HELP, machine, result_line
 
 
 def make_images(root: str, count: int) -> None:
@@ -110,7 +109,10 @@ def main() -> None:
     parser.add_argument("--split-images", type=int, default=4000, help="small JPEGs for lit-dist index 1 vs N processes")
     parser.add_argument("--split-processes", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each lit-dist index case (best is shown)")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:
+        args.images, args.split_images, args.repeats = 40, 100, 1
     # Imports before any timing, for both sides: this measures scanning, not interpreter start-up.
     import PIL.Image  # noqa: F401
     import pyarrow  # noqa: F401
@@ -142,7 +144,10 @@ def main() -> None:
     print(f"  {n} processes: {rate_n:9.0f} images/s in the command, {wall_n:5.1f} s wall clock with start-up")
     print(f"  {n} vs 1: {rate_n / rate_1:.2f}x in the command, {wall_1 / wall_n:.2f}x wall clock; "
           f"tables {'identical' if split['identical'] else 'DIFFERENT'}")
-    print(json.dumps({"benchmark": "discovery", "ratio": round(ratio, 1), "target": 100, "met": ratio >= 100}))
+    result_line("discovery", round(ratio, 1), ">= 100", ratio >= 100, header_images_per_s=round(ours),
+                decode_images_per_s=round(decoding), images=args.images,
+                index_rate_ratio=round(rate_n / rate_1, 3), index_wall_ratio=round(wall_1 / wall_n, 3),
+                index_tables_identical=split["identical"], index_processes=n, short=args.short)
 
 
 if __name__ == "__main__":

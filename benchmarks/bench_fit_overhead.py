@@ -5,7 +5,7 @@ with the same optimizer, for the same number of steps, one process each, runs
 alternating so that machine noise hits both alike. Targets (issue 2):
 steps/s ratio >= 0.97, time-to-first-step ratio <= 1.25.
 
-    .venv/bin/python -m benchmarks.bench_fit_overhead [--repeats 5] [--steps 300]
+    .venv/bin/python -m benchmarks.bench_fit_overhead [--repeats 5] [--steps 300] [--short]
 """
 
 import argparse
@@ -14,14 +14,17 @@ import statistics
 import sys
 import tempfile
 
-from benchmarks.common import machine, result_line, run_bench
+from benchmarks.common import SHORT_HELP, machine, result_line, run_bench
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:  # past StepTimer's 20 warm-up steps
+        args.repeats, args.steps = 1, 30
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-")
     bindir = os.path.dirname(sys.executable)
     lit = [os.path.join(bindir, "lit-dist"), "fit", "--trainer.max_steps", str(args.steps),
@@ -51,7 +54,7 @@ def main() -> None:
                 plain_steps_per_s=round(med["plain"]["steps_per_s"], 2),
                 lit_dist_to_first_step_s=round(med["lit-dist"]["to_first_step_s"], 3),
                 plain_to_first_step_s=round(med["plain"]["to_first_step_s"], 3),
-                steps=args.steps, repeats=args.repeats)
+                steps=args.steps, repeats=args.repeats, short=args.short)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ text-to-image quickstart with a sample grid, and what the weight average (model.
 
     .venv/bin/python -m benchmarks.bench_generative [--parts latent t2i sampling ema] [--images 3000] [--epochs 3]
                                                     [--t2i-epochs 60] [--ema-steps 300] [--repeats 5] [--out DIR]
+                                                    [--short]
 """
 
 import argparse
@@ -31,9 +32,8 @@ import time
 
 import torch
 
-from benchmarks.common import ROOT, machine, result_line, run_bench
+from benchmarks.common import ROOT, SHORT_HELP, machine, result_line, run_bench
 
-TIMER = ["--trainer.callbacks+=benchmarks.common.StepTimer", "--trainer.callbacks.warmup_steps", "20"]
 PROMPTS = ("a red circle on a white background; a blue square on a yellow background; "
            "a green triangle on a black background; a white cross on a blue background")
 
@@ -45,6 +45,12 @@ def lit_dist(*args: str) -> subprocess.CompletedProcess:
     return out
 
 
+def timer(args) -> list[str]:
+    """The arguments that add StepTimer to a run: steps/s after ``--warmup-steps``."""
+    return ["--trainer.callbacks+=benchmarks.common.StepTimer",
+            "--trainer.callbacks.warmup_steps", str(args.warmup_steps)]
+
+
 def latent(args, tmp: str, common: list[str]) -> dict:
     latent = ["--config", "configs/latent_quickstart.yaml", "--data.cache.dir", os.path.join(tmp, "latent-cache")]
     began = time.perf_counter()
@@ -52,7 +58,7 @@ def latent(args, tmp: str, common: list[str]) -> dict:
     cache_s = time.perf_counter() - began
     steps = {}
     for name, extra in (("cache", []), ("on_the_fly", ["--config", "configs/latent_on_the_fly.yaml"])):
-        r = run_bench([sys.executable, "-m", "lit_dist", "fit", *latent, *extra, *common, *TIMER,
+        r = run_bench([sys.executable, "-m", "lit_dist", "fit", *latent, *extra, *common, *timer(args),
                        "--trainer.max_epochs", str(args.epochs), "--run.run_id", name])
         steps[name] = r["steps_per_s"]
         print(f"latent {name:10s} {r['steps_per_s']:8.1f} steps/s", flush=True)
@@ -65,11 +71,13 @@ def t2i(args, tmp: str, common: list[str]) -> dict:
     """Train the t2i quickstart; score its samples with the quickstart classifier (EMA and raw weights, two seeds)."""
     judge = args.judge or train_judge(args, tmp, common)
     scored = ["--samples.judge", "lit_dist.adherence.ShapesJudge", "--samples.judge.classifier", judge]
+    grids = [] if args.t2i_grid_steps is None else ["--samples.steps", str(args.t2i_grid_steps)]
     t2i = t2i_cached(tmp, common)
     began = time.perf_counter()
-    r = run_bench([sys.executable, "-m", "lit_dist", "fit", *t2i, *common, *TIMER, *scored, "--trainer.max_epochs",
-                   str(args.t2i_epochs), "--run.run_id", "t2i", "--checkpoint.every_n_epochs", str(args.t2i_epochs),
-                   "--trainer.callbacks+=benchmarks.common.SamplingTime"])
+    r = run_bench([sys.executable, "-m", "lit_dist", "fit", *t2i, *common, *timer(args), *scored,
+                   "--trainer.max_epochs", str(args.t2i_epochs), "--run.run_id", "t2i",
+                   "--checkpoint.every_n_epochs", str(args.t2i_epochs),
+                   "--trainer.callbacks+=benchmarks.common.SamplingTime", *grids])
     fit_s = time.perf_counter() - began
     run_dir = os.path.join(tmp, "runs", "t2i_quickstart", "t2i")
     report = lit_dist("report", run_dir).stdout
@@ -77,17 +85,17 @@ def t2i(args, tmp: str, common: list[str]) -> dict:
     print(f"t2i quickstart: {args.t2i_epochs} epochs in {fit_s:.0f} s, {r['steps_per_s']:.1f} steps/s, last train/loss "
           f"{loss.group(1) if loss else '?'}; its own grids' adherence {r['adherence']} in {r['sampling_s']} s")
 
-    # Adherence: 16 validation captions x 4 images, through `lit-dist sample`, as a user would score a checkpoint.
-    prompts = "; ".join(validation_captions(common, 16))
+    # Adherence: --prompts (16) validation captions x 4 images, through `lit-dist sample`, as a user would score one.
+    prompts = "; ".join(validation_captions(common, args.prompts))
     adherence: dict[str, list[float]] = {"ema": [], "raw": []}
     os.makedirs(args.out, exist_ok=True)
-    for seed in (0, 1):
+    for seed in range(args.seeds):
         for weights in ("ema", "raw"):
             grid = os.path.join(args.out, f"t2i-{weights}-seed{seed}.png")
             out = lit_dist("sample", "--config", os.path.join(run_dir, "config.yaml"), "--checkpoint",
-                           os.path.join(run_dir, "checkpoints"), "--prompt", prompts, "--num", "4", "--steps", "30",
-                           "--guidance", "4", "--seed", str(seed), "--ema", str(weights == "ema").lower(), "--output",
-                           grid, *scored).stdout
+                           os.path.join(run_dir, "checkpoints"), "--prompt", prompts, "--num", "4",
+                           "--steps", str(args.sample_steps), "--guidance", "4", "--seed", str(seed),
+                           "--ema", str(weights == "ema").lower(), "--output", grid, *scored).stdout
             adherence[weights].append(float(re.search(r"adherence ([\d.]+)", out).group(1)))
             print(f"adherence, {weights} weights, seed {seed}: {adherence[weights][-1]:.3f} -> {grid}", flush=True)
     worst_ema = min(adherence["ema"])
@@ -107,15 +115,16 @@ def sampling(args, tmp: str, common: list[str]) -> dict:
     for devices in (1, 2):
         cmd = [sys.executable, "-m", "lit_dist", "fit", *t2i, *common, "--trainer.devices", str(devices),
                "--trainer.max_steps", "4", "--samples.every_n_steps", "1", "--samples.at_end", "false",
-               "--samples.num_prompts", "8", "--samples.per_prompt", "8", "--samples.steps", "30",
+               "--samples.num_prompts", str(args.grid), "--samples.per_prompt", str(args.grid),
+               "--samples.steps", str(args.sample_steps),
                "--samples.batch_size", "16", "--samples.judge", "null", "--run.run_id", f"sampling-{devices}",
                "--trainer.callbacks+=benchmarks.common.SamplingTime"]
         if devices == 2:
             cmd += ["--trainer.strategy", "ddp"]
         runs[devices] = run_bench(cmd, env={"OMP_NUM_THREADS": "1"})["sampling_s"]
         seconds[devices] = statistics.median(runs[devices][1:])
-        print(f"a grid of 64 images on {devices} process(es): {seconds[devices]:.2f} s (grids: {runs[devices]})",
-              flush=True)
+        print(f"a grid of {args.grid ** 2} images on {devices} process(es): {seconds[devices]:.2f} s "
+              f"(grids: {runs[devices]})", flush=True)
     speedup = seconds[1] / seconds[2]
     print(f"sampling 2 processes vs 1: {speedup:.2f}x (target >= 1.7)")
     return {"sampling_speedup": round(speedup, 3), "sampling_s": seconds, "sampling_grids_s": runs}
@@ -132,7 +141,8 @@ def t2i_cached(tmp: str, common: list[str]) -> list[str]:
 def train_judge(args, tmp: str, common: list[str]) -> str:
     """The classification quickstart, trained once: its model.pt judges the samples (lit_dist.adherence)."""
     began = time.perf_counter()
-    out = lit_dist("fit", "--config", "configs/quickstart.yaml", *common, "--trainer.limit_val_batches", "1.0",
+    epochs = [] if args.judge_epochs is None else ["--trainer.max_epochs", str(args.judge_epochs)]
+    out = lit_dist("fit", "--config", "configs/quickstart.yaml", *common, *epochs, "--trainer.limit_val_batches", "1.0",
                    "--export.filename", "model.pt",
                    "--run.run_id", "judge")
     acc = re.findall(r"val/acc ([\d.]+)", out.stdout + out.stderr)
@@ -160,8 +170,7 @@ def ema(args, tmp: str) -> dict:
             str(args.ema_steps), "--trainer.max_epochs", "-1", "--trainer.limit_val_batches", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
             "--trainer.enable_checkpointing", "false", "--export.filename", "null", "--trainer.log_every_n_steps", "50",
-            "--run.root_dir", os.path.join(tmp, "ema-runs"), "--trainer.callbacks+=benchmarks.common.StepTimer",
-            "--trainer.callbacks.warmup_steps", "20"]
+            "--run.root_dir", os.path.join(tmp, "ema-runs"), *timer(args)]
     if not torch.cuda.is_available():
         base += ["--trainer.accelerator", "cpu"]
     with_ema = [*base, "--model.ema.decay", "0.999"]
@@ -175,7 +184,8 @@ def ema(args, tmp: str) -> dict:
           f"(target >= 0.97; runs {speed})")
     held = {}
     for name, strategy in (("ddp", ["--trainer.strategy", "ddp"]), ("fsdp2", ["--config", "configs/fsdp2.yaml"])):
-        r = run_bench([*with_ema, *strategy, "--trainer.devices", "2", "--trainer.max_steps", "25",
+        r = run_bench([*with_ema, *strategy, "--trainer.devices", "2",
+                       "--trainer.max_steps", str(args.warmup_steps + 5),
                        "--trainer.callbacks+=benchmarks.common.EMAMemory"])
         held[name] = r["ema_bytes"]
     memory_ratio = held["fsdp2"] / held["ddp"]
@@ -199,14 +209,32 @@ def main() -> None:
     parser.add_argument("--judge", help="the quickstart classifier's model.pt; default: train it here (about a minute)")
     parser.add_argument("--ema-steps", type=int, default=300, help="steps of each EMA speed run")
     parser.add_argument("--repeats", type=int, default=5, help="EMA speed runs with and without, each")
-    parser.add_argument("--out", default=".", help="where the sample grid is written (t2i-samples.png)")
+    parser.add_argument("--out", help="where the adherence grids are written (t2i-WEIGHTS-seedN.png; default: here, "
+                                      "with --short a temporary folder)")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="steps before steps/s is timed, in every run")
+    parser.add_argument("--judge-epochs", type=int, help="epochs of the judge's training (default: the quickstart's)")
+    parser.add_argument("--prompts", type=int, default=16, help="validation captions for the adherence (4 images each)")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds of the adherence's samples")
+    parser.add_argument("--sample-steps", type=int, default=30, help="denoising steps of adherence and sampling grids")
+    parser.add_argument("--t2i-grid-steps", type=int,
+                        help="denoising steps of the t2i run's own grids (default: its config's)")
+    parser.add_argument("--grid", type=int, default=8, help="the sampling part's grid: prompts, and images per prompt")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:  # every part; the sampling part's median needs its 4 steps
+        args.images, args.epochs, args.t2i_epochs, args.judge_epochs, args.warmup_steps = 160, 1, 1, 1, 2
+        args.ema_steps, args.repeats, args.prompts, args.seeds, args.sample_steps, args.grid = 12, 1, 2, 1, 2, 2
+        args.t2i_grid_steps = 2
+        args.out = args.out or tempfile.mkdtemp(prefix="lit-dist-bench-grids-")
+    args.out = args.out or "."
     device = torch.cuda.get_device_name(0) if cuda else "CPU"
     print(f"machine: {machine()}; {device}; {args.images} demo shapes")
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-")
     table = os.path.join(tmp, "shapes", "metadata.parquet")
+    # Oversubscription: a short run's few images leave a bucket under one batch (3,000 leave none).
     common = ["--data.metadata", table, "--trainer.devices", "1", "--trainer.enable_progress_bar", "false",
-              "--trainer.limit_val_batches", "0", "--export.filename", "null", "--run.root_dir", os.path.join(tmp, "runs")]
+              "--trainer.limit_val_batches", "0", "--export.filename", "null", "--data.allow_oversubscription", "true",
+              "--run.root_dir", os.path.join(tmp, "runs")]
     if not cuda:
         common += ["--trainer.accelerator", "cpu"]
     if {"latent", "t2i", "sampling"} & set(args.parts):
@@ -228,7 +256,8 @@ def main() -> None:
         checks["ema_not_worse"] = figures["ema_not_worse"]
     primary = next((name for name in TARGETS if name in figures), None)
     result_line("generative", figures.get(primary), f"{TARGETS[primary][0]} {TARGETS[primary][1]}" if primary else None,
-                all(checks.values()) if checks else None, primary=primary, checks=checks, device=device, **figures)
+                all(checks.values()) if checks else None, primary=primary, checks=checks, device=device, **figures,
+                short=args.short)
 
 
 if __name__ == "__main__":

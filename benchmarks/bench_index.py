@@ -10,7 +10,7 @@ Two more figures, reported beside the target: the same rows in random order (the
 duplicate check then hashes and sorts every name), and the default 5 % hash split
 into train/val (one hash per name) on top of the indexing.
 
-    .venv/bin/python -m benchmarks.bench_index [--rows 10000000] [--world 64]
+    .venv/bin/python -m benchmarks.bench_index [--rows 10000000] [--world 64] [--short]
 """
 
 import argparse
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import machine, result_line
+from benchmarks.common import SHORT_HELP, machine, result_line
 
 
 def make_table(path: str, rows: int, shuffled: bool = False) -> None:
@@ -99,7 +99,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=4, help="runs per process (the first is the cold one)")
     parser.add_argument("--child")
     parser.add_argument("--path")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:  # a cold run and a warm one
+        args.rows, args.repeats, args.runs = 50_000, 1, 2
     if args.child:
         child(args.child, args.path, args.world, args.runs)
         return
@@ -144,7 +147,7 @@ def main() -> None:
                 bytes_per_row=round(per_row, 1), bytes_per_row_target="<= 32", bytes_per_row_met=per_row <= 32,
                 pyarrow_warm_s=round(warm["pyarrow", "sorted"], 3),
                 lit_dist_warm_s=round(warm["lit-dist", "sorted"], 3),
-                rows=args.rows, world=args.world)
+                rows=args.rows, world=args.world, short=args.short)
 
 
 if __name__ == "__main__":

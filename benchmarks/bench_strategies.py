@@ -10,6 +10,7 @@ rank 0 holds, counted from the tensors themselves (benchmarks.common.StateMemory
 
     .venv/bin/python -m benchmarks.bench_strategies              # every preset, all GPUs of the machine
     .venv/bin/python -m benchmarks.bench_strategies --presets ddp fsdp2 --devices 2
+    .venv/bin/python -m benchmarks.bench_strategies --short      # every preset, a tiny model for a few steps
 
 Without CUDA: the presets that run on CPU (ddp, fsdp2, every DeepSpeed one) on 2 processes
 with a small model, in bf16-mixed (the GPU default); resident memory there is mostly the
@@ -24,7 +25,7 @@ import tempfile
 
 import torch
 
-from benchmarks.common import machine, result_line, run_bench
+from benchmarks.common import SHORT_HELP, machine, result_line, run_bench
 from benchmarks.models import MLPClassifier
 
 DEEPSPEED = ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3", "deepspeed_zero3_offload"]
@@ -70,7 +71,10 @@ def main() -> None:
     # parameters (ZeRO-3 then holds 0.62 of DDP): the memory comparison is made at the GPU default, bf16-mixed.
     parser.add_argument("--precision", default=None if cuda else "bf16-mixed",
                         help="trainer.precision for every preset (default: lit-dist's on GPUs, bf16-mixed on CPU)")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:  # every preset still runs
+        args.width, args.depth, args.batch, args.warmup, args.steps = 64, 2, 4, 2, 2
     with torch.device("meta"):
         params = sum(p.numel() for p in MLPClassifier(width=args.width, depth=args.depth).parameters())
     where = (f"{args.devices} x {torch.cuda.get_device_name(0)}" if cuda else f"{args.devices} CPU processes (gloo)")
@@ -104,7 +108,7 @@ def main() -> None:
     primary = ratios.get("zero3_total_vs_ddp")
     met = bool(ratios) and all(ratios[n] <= targets[n] for n in ratios) if len(ratios) == 2 else None
     result_line("strategies", primary, "<= 0.6" if primary is not None else None, met, ratios=ratios, presets=rows,
-                devices=args.devices, cuda=cuda, num_params=params, batch_per_device=args.batch)
+                devices=args.devices, cuda=cuda, num_params=params, batch_per_device=args.batch, short=args.short)
 
 
 if __name__ == "__main__":

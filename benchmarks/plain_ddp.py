@@ -1,6 +1,6 @@
 """The baseline: a plain PyTorch DDP training script, launched by torchrun.
 
-    torchrun --nproc_per_node 2 -m benchmarks.plain_ddp 300
+    torchrun --nproc_per_node 2 -m benchmarks.plain_ddp 300 [32768]    # steps, in-memory images
 """
 
 import json
@@ -15,13 +15,13 @@ from benchmarks.common import InMemoryData
 from lit_dist.models import SimpleCNN
 
 
-def main(steps: int, warmup: int = 20) -> None:
+def main(steps: int, num_samples: int = 32768, warmup: int = 20) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DistributedDataParallel(SimpleCNN(num_classes=4), gradient_as_bucket_view=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = InMemoryData(num_samples=32768)  # as bench_ddp gives lit-dist: epochs of 256 steps
+    data = InMemoryData(num_samples=num_samples)  # as bench_ddp gives lit-dist
     dataset = [{"image": data.images[i], "label": data.labels[i]} for i in range(len(data.labels))]
     sampler = torch.utils.data.distributed.DistributedSampler(dataset, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(dataset, batch_size=data.batch_size_per_device, sampler=sampler)
@@ -49,4 +49,4 @@ def main(steps: int, warmup: int = 20) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(*map(int, sys.argv[1:3]))

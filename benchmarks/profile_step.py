@@ -16,7 +16,7 @@ one batch's end and the next one's start (the data wait); and, on CUDA, every sy
 window it records a few steps with torch.profiler (CPU and CUDA activities) into ``{run dir}/trace.json.gz`` and
 counts the synchronising CUDA runtime calls in them. MFU and throughput come from `lit-dist report` on the run.
 
-    .venv/bin/python -m benchmarks.profile_step [--runs quickstart reference] [--steps 150] [--out DIR]
+    .venv/bin/python -m benchmarks.profile_step [--runs quickstart reference] [--steps 150] [--out DIR] [--short]
 
 Targets (issue 31): no synchronisation from lit-dist's code in a steady-state step (the ratio reported is
 lit-dist's synchronisations per step, target 0); lit-dist's callbacks <= 2 % of the step's wall time.
@@ -40,7 +40,7 @@ import torch
 from lightning.pytorch import Callback
 
 import lit_dist
-from benchmarks.common import ROOT, machine, parse_bench, result_line
+from benchmarks.common import ROOT, SHORT_HELP, machine, parse_bench, result_line
 
 # The hooks Lightning calls on every training step; the others run once per epoch or per run.
 STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -200,8 +200,10 @@ def fit(name: str, args: argparse.Namespace, root: str) -> dict:
               "--trainer.enable_model_summary", "false", "--export.filename", "null", "--run.root_dir", root,
               "--run.run_id", name, "--trainer.log_every_n_steps", "10", "--progress.log_every_s", "5"]
     if name == "quickstart":
+        # Oversubscription: a short run's few images leave a bucket under one batch (2,000 leave none).
         cmd = ["--config", "configs/quickstart.yaml", "--data.metadata", os.path.join(root, "shapes", "metadata.parquet"),
-               "--data.batch_size_per_device", str(args.quickstart_batch), "--checkpoint.every_n_epochs", "null",
+               "--data.batch_size_per_device", str(args.quickstart_batch), "--data.allow_oversubscription", "true",
+               "--checkpoint.every_n_epochs", "null",
                "--checkpoint.every_n_minutes", "30", "--checkpoint.save_last", "false",
                "--trainer.callbacks+=lit_dist.callbacks.circuit_breaker.GPUCircuitBreaker",
                "--trainer.callbacks.poll_interval_s", "0.2"]
@@ -241,11 +243,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150 if cuda else 40, help="steps in the window")
     parser.add_argument("--trace-steps", type=int, default=5)
     parser.add_argument("--quickstart-batch", type=int, default=32)
+    parser.add_argument("--images", type=int, default=2000, help="demo shapes of the quickstart run")
     parser.add_argument("--width", type=int, default=4096 if cuda else 512)
     parser.add_argument("--depth", type=int, default=24 if cuda else 2)
     parser.add_argument("--batch", type=int, default=256 if cuda else 16)
     parser.add_argument("--out", help="copy each run's trace.json.gz and trace-top.txt here (as NAME-...)")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.short:  # both runs, each with a window and a trace
+        args.start, args.steps, args.trace_steps, args.images = 2, 3, 1, 200
+        args.width, args.depth, args.batch = 64, 1, 4
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
     print(f"machine: {machine()}; {where}; window of {args.steps} steps after {args.start}")
     results = {}
@@ -253,7 +260,7 @@ def main() -> None:
         if "quickstart" in args.runs:
             from lit_dist.data.demo import create_shapes_dataset
 
-            create_shapes_dataset(os.path.join(root, "shapes", "metadata.parquet"), num_images=2000, seed=0)
+            create_shapes_dataset(os.path.join(root, "shapes", "metadata.parquet"), num_images=args.images, seed=0)
         for name in args.runs:
             r = fit(name, args, root)
             results[name] = {k: v for k, v in r.items() if k not in ("report", "run_dir")}
@@ -278,7 +285,7 @@ def main() -> None:
     share = max(r["callbacks_share"] for r in results.values())
     met = lit_syncs == 0 and share <= 0.02 if cuda else None
     result_line("profile_step", lit_syncs, "0 lit-dist syncs per step (CUDA only)", met, callbacks_share=round(share, 5),
-                callbacks_target="<= 0.02", device=where, runs=results)
+                callbacks_target="<= 0.02", device=where, runs=results, short=args.short)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,88 @@
+"""Every benchmark runs in its short mode and ends with its result line.
+
+Benchmarks rot silently: nothing else runs them, the code they drive changes under them, and a broken one goes
+unnoticed until someone needs its figures (one measured nothing for weeks). So each script in benchmarks/ takes
+``--short``, which runs every part of it (both sides, every phase) at tiny sizes, and this test runs each so and
+checks its last line: ``{"benchmark": ..., "ratio": ..., "target": ..., "met": ..., "short": true, ...}``. The
+figures of a short run mean nothing and are not checked; the targets are for the full runs (README, Benchmarks).
+A new ``benchmarks/bench_*.py`` is picked up by its name, and fails here until it has ``--short``.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import LEFT_BOUND_S, REPO
+from tests.helpers.processes import left_after
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]
+
+# profile_step is a profiler, but it ends with a result line as the benchmarks do.
+BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("bench_*.py")) + ["profile_step"]
+# Optional extras (pyproject's [project.optional-dependencies]; .ci/setup installs them all) a benchmark needs.
+EXTRAS = {"bench_cache": ["diffusers"], "bench_generative": ["diffusers", "transformers"],
+          "bench_strategies": ["deepspeed"]}
+# Its target is about CUDA synchronisations: without a GPU its line says met null, which is the truth.
+MET_NEEDS_CUDA = {"profile_step"}
+# For a hang, not for speed: the slowest short run (bench_generative, about 15 processes one after another) takes
+# 2-5 minutes on 2 busy cores. Below pytest-timeout's 600 s, so that the test fails with the stacks.
+TIMEOUT_S = 540
+
+
+def run_short(name: str, tmp_path) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.NAME --short`` from the repository root, in a session of its own (on a hang its
+    stacks, then every process it started, ended); fails the test if any of its processes outlive it."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}
+    # Its runs, caches and grids in the test's folder: some benchmarks leave their temporary folders behind.
+    env.update(PYTHONFAULTHANDLER="1", TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", "--short"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"`{' '.join(cmd[1:])}` hung for {TIMEOUT_S} s; its stacks:\n{stderr[-20000:]}")
+    if left := left_after(proc.pid, LEFT_BOUND_S):
+        pytest.fail(f"`{' '.join(cmd[1:])}` exited {proc.returncode} and left {len(left)} processes: {left}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_the_short_run_ends_with_its_result_line(name, tmp_path):
+    for module in EXTRAS.get(name, []):
+        pytest.importorskip(module, reason=f"{name} needs {module} (an optional extra; bash .ci/setup installs it)")
+    out = run_short(name, tmp_path)
+    # 2: argparse refused the command line (no --short).
+    assert out.returncode == 0, f"exit {out.returncode}; stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        pytest.fail(f"the last line of its output is not the JSON result line:\n{out.stdout[-3000:]}")
+    assert isinstance(result, dict) and {"benchmark", "ratio", "target", "met"} <= result.keys(), result
+    ratio = result["ratio"]
+    # None or NaN is a benchmark that measured nothing.
+    assert isinstance(ratio, int | float) and not isinstance(ratio, bool) and math.isfinite(ratio), result
+    if name in MET_NEEDS_CUDA and not _cuda():
+        assert result["met"] is None, result
+    else:
+        assert isinstance(result["met"], bool), result
+    assert result.get("short") is True, f"the line does not say that the run was short: {result}"
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
