@@ -60,11 +60,19 @@ def lit_dist(*args: str, cwd: Path | None = None, timeout: float = 300, env: dic
              launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run the real ``lit-dist`` command line in a subprocess, as a user would (``launcher``: the command that
     runs ``-m lit_dist ...`` in its place, e.g. torchrun and its flags; default: this Python)."""
+    return run_module("lit_dist", *args, cwd=cwd, timeout=timeout, env=env, launcher=launcher)
+
+
+def run_module(module: str, *args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None,
+               launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m module args`` (``lit_dist``, a benchmark) as a user runs it; on a hang, the stacks of its
+    processes; fails the test if any of them outlives it."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}
     clean["PYTHONFAULTHANDLER"] = "1"  # a process killed by SIGABRT first writes every thread's stack
     clean.update(env or {})
+    name = "lit-dist" if module == "lit_dist" else module
     # Its own session: on a hang, every process of the run (ranks, loader workers) can be reached at once.
-    proc = subprocess.Popen([*(launcher or [sys.executable]), "-m", "lit_dist", *args], cwd=cwd or REPO, env=clean, text=True,
+    proc = subprocess.Popen([*(launcher or [sys.executable]), "-m", module, *args], cwd=cwd or REPO, env=clean, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -75,11 +83,11 @@ def lit_dist(*args: str, cwd: Path | None = None, timeout: float = 300, env: dic
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
-        pytest.fail(f"`lit-dist {' '.join(args)}` hung for {timeout} s; the stacks of its processes:\n{stderr[-20000:]}")
+        pytest.fail(f"`{name} {' '.join(args)}` hung for {timeout} s; the stacks of its processes:\n{stderr[-20000:]}")
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     done.pid = proc.pid  # its session's id: tests.helpers.processes finds what the run left behind by it
     if left := left_after(proc.pid, LEFT_BOUND_S):  # whatever the exit, nothing of the run may remain
-        pytest.fail(f"`lit-dist {' '.join(args)}` exited {proc.returncode} and left {len(left)} processes "
+        pytest.fail(f"`{name} {' '.join(args)}` exited {proc.returncode} and left {len(left)} processes "
                     f"{LEFT_BOUND_S:.0f} s later: {left}\n{stderr[-3000:]}")
     return done
 

@@ -10,15 +10,11 @@ A new ``benchmarks/bench_*.py`` is picked up by its name, and fails here until i
 
 import json
 import math
-import os
-import signal
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import LEFT_BOUND_S, REPO
-from tests.helpers.processes import left_after
+from tests.conftest import REPO, run_module
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]
 
@@ -35,28 +31,10 @@ TIMEOUT_S = 540
 
 
 def run_short(name: str, tmp_path) -> subprocess.CompletedProcess:
-    """``python -m benchmarks.NAME --short`` from the repository root, in a session of its own (on a hang its
-    stacks, then every process it started, ended); fails the test if any of its processes outlive it."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}
-    # Its runs, caches and grids in the test's folder: some benchmarks leave their temporary folders behind.
-    env.update(PYTHONFAULTHANDLER="1", TMPDIR=str(tmp_path))
-    cmd = [sys.executable, "-m", f"benchmarks.{name}", "--short"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
-        try:
-            stdout, stderr = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        pytest.fail(f"`{' '.join(cmd[1:])}` hung for {TIMEOUT_S} s; its stacks:\n{stderr[-20000:]}")
-    if left := left_after(proc.pid, LEFT_BOUND_S):
-        pytest.fail(f"`{' '.join(cmd[1:])}` exited {proc.returncode} and left {len(left)} processes: {left}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    """``python -m benchmarks.NAME --short`` from the repository root (on a hang its stacks; fails the test if any
+    of its processes outlive it), its runs, caches and grids in the test's folder: some benchmarks leave their
+    temporary folders behind."""
+    return run_module(f"benchmarks.{name}", "--short", timeout=TIMEOUT_S, env={"TMPDIR": str(tmp_path)})
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
