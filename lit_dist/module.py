@@ -59,6 +59,9 @@ def lr_decay_factor(kind: str, step: int, steps: int, floor: float) -> float:
     return floor + (1 - floor) * shape
 
 
+AVERAGE_STARTS = "lit-dist: the checkpoint has no weight average (model.ema): it starts from its weights"
+
+
 class LitModel(LightningModule):
     """Trains ``net`` with a loss, an optimizer and an LR schedule given in the YAML."""
 
@@ -286,7 +289,7 @@ class LitModel(LightningModule):
                 del state[key]
         elif not saved and self.ema.names:
             # Turned on at this resume: the average starts from the weights the run resumes with.
-            rank_zero_info("lit-dist: the checkpoint has no weight average (model.ema): it starts from its weights")
+            rank_zero_info(AVERAGE_STARTS)
             for name in self.ema.names:
                 state[f"ema.average.{name}"] = state[f"net.{name}"].detach().clone().float()
 
@@ -299,7 +302,7 @@ class LitModel(LightningModule):
         """After a sharded load without the weight average (model.ema turned on at this resume): start it from the
         weights, as on_load_checkpoint does for a whole checkpoint."""
         if self.ema is not None and any(key.startswith("ema.average.") for key in keys):
-            rank_zero_info("lit-dist: the checkpoint has no weight average (model.ema): it starts from its weights")
+            rank_zero_info(AVERAGE_STARTS)
             self.ema.restart()
 
     def on_train_start(self) -> None:

@@ -141,7 +141,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         model = {key: tuple(tensor.shape) for key, tensor in module.state_dict().items()}
         optional = getattr(module, "optional_state", lambda key: False)
         refuse(path, differences(saved, model, optional) if module.strict_loading else [])
-        unsaved = [key for key in model if key not in saved]
+        unsaved = [key for key in model if key not in saved and optional(key)]  # the rest: checked above
         if not unsaved:
             return super().load_checkpoint(path, weights_only)
         # DCP loads what the module's state dict names (so the unsaved keys leave it); a whole file is loaded
