@@ -37,7 +37,8 @@ def main() -> None:
            "--run.root_dir", tmp, "--model.net", "lit_dist.models.SimpleCNN", "--model.net.num_classes", "4",
            "--model.optimizer.class_path", "torch.optim.AdamW", "--model.optimizer.init_args.lr", "0.001",
            "--data", "benchmarks.common.InMemoryData", "--data.num_samples", str(args.samples)]
-    plain = [os.path.join(bindir, "torchrun"), "--nproc_per_node", "2", "-m", "benchmarks.plain_ddp", str(args.steps),
+    # --standalone: a free port. torchrun's fixed default (29500) joins any other job's store there and waits forever.
+    plain = [os.path.join(bindir, "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "benchmarks.plain_ddp", str(args.steps),
              str(args.samples)]
     results: dict[str, list[float]] = {"lit-dist": [], "torchrun": []}
     for i in range(args.repeats):

@@ -54,7 +54,7 @@ def index_command(root: str, output: str, processes: int) -> tuple[float, float,
         cmd = [sys.executable, *index]
     else:
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), f"--nproc-per-node={processes}",
-               "--master-port=29561", *index]
+               "--standalone", *index]  # a free port: a fixed one may be another job's store
     # Outside any Slurm job or torchrun of the caller's: the baseline must run as one process.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))

@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import subprocess
 import time
 
@@ -60,17 +61,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT_HELP = "a quick run that checks the benchmark works; its figures mean nothing"
 
 
+# Each command's limit: a hung run is one error with its processes' stacks, not a benchmark that never ends.
+# tests/process/test_benchmarks.py lowers it for the short runs.
+COMMAND_TIMEOUT_S = float(os.environ.get("LIT_DIST_BENCH_COMMAND_TIMEOUT_S", 7200))
+
+
 def run_bench(cmd: list[str], env: dict | None = None) -> dict:
     """Run a benchmark command from the repository root (``env``: variables added to this one's): its ``BENCH``
     lines merged, and ``to_first_step_s`` where the run reports its first step. RuntimeError with its output if it
-    fails."""
-    env = {**os.environ, **(env or {}),
+    fails or outlives ``COMMAND_TIMEOUT_S``."""
+    env = {**os.environ, **(env or {}), "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     started = time.time()
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    result = parse_bench(out.stdout)
+    # Its own session, so that on a hang every process of it (launcher, ranks, workers) is reached at once.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)  # with PYTHONFAULTHANDLER, each Python process writes its stacks
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise RuntimeError(f"{' '.join(cmd)} hung for {COMMAND_TIMEOUT_S:.0f} s; its stacks:\n{stderr[-12000:]}")
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    result = parse_bench(stdout)
     if "first_step_at" in result:
         result["to_first_step_s"] = result["first_step_at"] - started
     return result

@@ -28,13 +28,15 @@ MET_NEEDS_CUDA = {"profile_step"}
 # For a hang, not for speed: the slowest short run (bench_generative, about 15 processes one after another) takes
 # 2-5 minutes on 2 busy cores. Below pytest-timeout's 600 s, so that the test fails with the stacks.
 TIMEOUT_S = 540
+# Each command a short run starts (benchmarks.common.run_bench): one that hangs fails with its own processes' stacks.
+COMMAND_TIMEOUT_S = 240
 
 
 def run_short(name: str, tmp_path) -> subprocess.CompletedProcess:
     """``python -m benchmarks.NAME --short`` from the repository root (on a hang its stacks; fails the test if any
     of its processes outlive it), its runs, caches and grids in the test's folder: some benchmarks leave their
     temporary folders behind."""
-    return run_module(f"benchmarks.{name}", "--short", timeout=TIMEOUT_S, env={"TMPDIR": str(tmp_path)})
+    return run_module(f"benchmarks.{name}", "--short", timeout=TIMEOUT_S, env={"TMPDIR": str(tmp_path), "LIT_DIST_BENCH_COMMAND_TIMEOUT_S": str(COMMAND_TIMEOUT_S)})
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
