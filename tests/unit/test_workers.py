@@ -70,6 +70,39 @@ def test_on_this_python_a_data_module_starts_its_fork_server_when_it_is_made(dem
     assert out.strip() == "True"
 
 
+@pytest.mark.parametrize(("args", "asked"), [
+    (["--config", "configs/quickstart.yaml"], (1, "auto")),
+    (["--config", "configs/quickstart.yaml", "--data.num_workers", "0"], (0, "auto")),
+    (["--config", "configs/quickstart.yaml", "--data.num_workers=3", "--data.worker_start", "spawn"], (3, "spawn")),
+    (["--config", "configs/quickstart.yaml", "--data", "benchmarks.common.InMemoryData"], (0, "auto")),
+    (["--config", "configs/ddp.yaml"], (None, "auto")),  # no data section: BucketDataModule's default
+])
+def test_the_workers_a_command_line_asks_for_are_read_from_its_configs_and_options(args, asked):
+    assert workers._workers_asked(args) == asked
+
+
+def test_a_data_module_left_at_its_defaults_starts_workers_as_the_early_start_assumes():
+    import inspect
+
+    assert inspect.signature(BucketDataModule).parameters["num_workers"].default > 0
+
+
+@pytest.mark.process
+@pytest.mark.skipif(workers.fork_is_safe(), reason="this Python forks threaded processes safely")
+@pytest.mark.parametrize(("command", "started"), [
+    ("fit --config configs/quickstart.yaml", True), ("fit --config configs/quickstart.yaml --data.num_workers 0", False),
+    ("cache --config configs/t2i_quickstart.yaml", True), ("report runs/x", False), ("fit --config missing.yaml", False),
+])
+def test_lit_dist_starts_the_fork_server_before_importing_lightning_when_its_command_wants_workers(command, started):
+    import subprocess
+
+    code = ("import sys, multiprocessing.forkserver as f; from lit_dist.data.workers import start_for_command; "
+            f"start_for_command({command.split()!r}); "
+            "print(f._forkserver._forkserver_pid is not None, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(started), "False"]
+
+
 _SIGNALLED_LOADER = """
 import os, signal, sys
 from lit_dist.data.datamodule import BucketDataModule
