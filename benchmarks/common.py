@@ -1,5 +1,6 @@
 """Pieces shared by the benchmarks: in-memory data, a step timer, the machine description, the result line."""
 
+import contextlib
 import json
 import os
 import platform
@@ -81,11 +82,13 @@ def run_bench(cmd: list[str], env: dict | None = None) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGABRT)  # with PYTHONFAULTHANDLER, each Python process writes its stacks
         try:
-            stdout, stderr = proc.communicate(timeout=30)
-        finally:
+            stderr = proc.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            stderr = "(none: its processes did not end within 30 s of SIGABRT)"
+        with contextlib.suppress(ProcessLookupError):  # the group is empty once every process ended
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        raise RuntimeError(f"{' '.join(cmd)} hung for {COMMAND_TIMEOUT_S:.0f} s; its stacks:\n{stderr[-12000:]}")
+        proc.wait()
+        raise RuntimeError(f"{' '.join(cmd)} hung for {COMMAND_TIMEOUT_S:.0f} s; its stacks:\n{stderr[-12000:]}") from None
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
     result = parse_bench(stdout)
