@@ -10,9 +10,11 @@ Example (YAML)::
 The average is one float32 buffer per trainable parameter of ``model.net``, named as the parameter
 (``ema.average.blocks.0.weight`` beside ``net.blocks.0.weight`` in the state dict), so that
 
-- it is where the parameter is: a whole copy on every rank under DDP (left out of DDP's buffer
-  broadcast: every rank computes the same average), the same shards as the parameters under FSDP2
-  (a clone of the local shard, a DTensor like it: 1/world of the model per rank);
+- it is where the parameter is: a whole copy on every rank under DDP and DeepSpeed ZeRO-1/2 (left out
+  of DDP's buffer broadcast: every rank computes the same average), the same shards as the parameters
+  under FSDP2 (a clone of the local shard, a DTensor like it: 1/world of the model per rank), and under
+  ZeRO-3 the rank's partition of each parameter (``ds_tensor``, a flat slice: 1/world per rank, saved in
+  that rank's own model-states file and put back together by ``lit-dist export``);
 - it is saved and restored with the model under every strategy (sharded checkpoints included), so
   that a resumed run is bitwise the uninterrupted one, average included, and ``lit-dist export
   --ema`` writes the network with averaged weights;
@@ -36,8 +38,30 @@ from lit_dist.errors import ConfigError
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), or the tensor itself; detached either way."""
+    """What this rank holds of a parameter: its ZeRO-3 partition (``ds_tensor``, itself: DeepSpeed may point it at
+    other memory), a DTensor's local shard (FSDP2) or the tensor, detached."""
+    if hasattr(tensor, "ds_tensor"):
+        return tensor.ds_tensor
     return tensor.to_local().detach() if hasattr(tensor, "to_local") else tensor.detach()
+
+
+def _partitioned(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The ZeRO-3 parameters that DeepSpeed keeps gathered between steps (``ds_persist``: small ones): a change
+    of their partitions reaches the forward only once they are gathered again (``_regather``)."""
+    return [p for p in params if getattr(p, "ds_persist", False)]
+
+
+def _regather(persistent: list[torch.Tensor]) -> None:
+    """Gather ZeRO-3's persistent parameters again from their partitions, as DeepSpeed does after each step
+    (collective: every rank calls it)."""
+    if persistent:
+        persistent[0].partition(persistent)  # frees the gathered copy; the partitions are the truth
+        persistent[0].all_gather(persistent)
+
+
+def _follow_partitions(ema: "EMA", *_) -> None:
+    """A state-dict hook of the EMA module (a function, not a closure: the module stays copyable and picklable)."""
+    ema._follow_partitions()
 
 
 class EMA(nn.Module):
@@ -74,12 +98,16 @@ class EMA(nn.Module):
         self._params: list[nn.Parameter] = []
         self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._raw: list[torch.Tensor] | None = None
+        # ZeRO-3 partitions the parameters after attach: the average follows before it is read, loaded or saved.
+        self._register_load_state_dict_pre_hook(_follow_partitions, with_module=True)
+        self.register_state_dict_pre_hook(_follow_partitions)
 
     # -- set-up -----------------------------------------------------------------------------------
 
-    def attach(self, net: nn.Module) -> None:
+    def attach(self, net: nn.Module, partitioned_later: bool = False) -> None:
         """One float32 buffer per trainable parameter of ``net``, a clone of it where it is (a shard under FSDP2).
-        Call once the parameters are final (after sharding); a second call does nothing."""
+        Call once the parameters are final (after sharding); a second call does nothing. ``partitioned_later``
+        (DeepSpeed ZeRO-3, which partitions when its engine starts): empty buffers until then, never a whole copy."""
         if self.names:
             return
         for name, param in net.named_parameters():
@@ -91,11 +119,22 @@ class EMA(nn.Module):
                 if part not in owner._modules:
                     owner.add_module(part, nn.Module())
                 owner = owner._modules[part]
-            owner.register_buffer(leaf, param.detach().clone().float())
+            owner.register_buffer(leaf, torch.empty(0) if partitioned_later else param.detach().clone().float())
             self.names.append(name)
             self._params.append(param)
         if not self.names:
             raise ConfigError("model.ema is set but model.net has no trainable parameters to average")
+
+    def _follow_partitions(self) -> None:
+        """Under ZeRO-3, once the engine has partitioned the parameters: each average becomes a float32 copy of its
+        parameter's partition on this rank (what a load then overwrites; the first update overwrites it anyway)."""
+        for name, param in zip(self.names, self._params, strict=True):
+            part = getattr(param, "ds_tensor", None)
+            *path, leaf = name.split(".")
+            owner = self.average.get_submodule(".".join(path))
+            if part is not None and owner._buffers[leaf].shape != part.shape:
+                owner._buffers[leaf] = part.detach().float().clone()
+                self._pairs = None
 
     def _apply(self, fn, recurse=True):
         self._pairs = None  # .to(), .float(), ...: the buffers are new tensors
@@ -104,6 +143,7 @@ class EMA(nn.Module):
     def _tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(averages, parameters) as local float32 / parameter-dtype tensors, in the same order."""
         if self._pairs is None:
+            self._follow_partitions()
             averages = [_local(self.average.get_buffer(name)) for name in self.names]
             params = [_local(p) for p in self._params]
             for name, average, param in zip(self.names, averages, params, strict=True):
@@ -113,7 +153,7 @@ class EMA(nn.Module):
                     raise ConfigError(
                         f"model.ema: the average of {name} is {tuple(average.shape)} {average.dtype} where the "
                         f"parameter is {tuple(param.shape)} {param.dtype}: this strategy moved or cast the weights "
-                        "after the average was made (ZeRO-3 partitions them); use DDP, FSDP2 or DeepSpeed ZeRO-1/2")
+                        "after the average was made; use DDP, FSDP2 or DeepSpeed")
             self._pairs = (averages, params)
         return self._pairs
 
@@ -160,6 +200,7 @@ class EMA(nn.Module):
         averages, params = self._tensors()
         self._raw = [p.clone() for p in params]
         torch._foreach_copy_(params, averages)
+        _regather(_partitioned(self._params))
 
     @property
     def swapped(self) -> bool:
@@ -173,3 +214,4 @@ class EMA(nn.Module):
             return
         torch._foreach_copy_(self._tensors()[1], self._raw)
         self._raw = None
+        _regather(_partitioned(self._params))

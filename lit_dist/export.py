@@ -144,4 +144,35 @@ def _deepspeed_state(path: str, trust: bool) -> dict:
     from lit_dist.ckpt import pickles
 
     pickles.vet_deepspeed(path, TRUST, trust=trust)  # its converter loads every file as a full pickle
-    return get_fp32_state_dict_from_zero_checkpoint(path)
+    return _zero3_averages(path, get_fp32_state_dict_from_zero_checkpoint(path), trust)
+
+
+def _zero3_averages(path: str, state: dict, trust: bool) -> dict:
+    """``state`` with each ZeRO-3 weight average put back together. Under ZeRO-3 every rank keeps the average of its
+    own partition of each parameter (a flat slice, the last one padded) in its own model-states file, where
+    DeepSpeed's converter takes buffers from rank 0's file only: the ranks' slices, in rank order, cut to the
+    parameter's size and shaped like it."""
+    import glob
+    import re
+
+    from lit_dist.ckpt import pickles
+
+    partitioned = [k for k in state if k.startswith(EMA_PREFIX)
+                   and state[k].shape != state.get("net." + k[len(EMA_PREFIX):], state[k]).shape]
+    if not partitioned:
+        return state
+    tag = os.path.join(path, "latest")
+    if os.path.isfile(tag):
+        with open(tag) as f:
+            path = os.path.join(path, f.read().strip())
+    files = sorted(glob.glob(os.path.join(path, "zero_pp_rank_*_mp_rank_*_model_states.pt")),
+                   key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1)))
+    ranks = [pickles.load(f, TRUST, trust=trust, allowed=pickles.deepspeed_types(), mmap=True)["module"] for f in files]
+    for key in partitioned:
+        shape = state["net." + key[len(EMA_PREFIX):]].shape
+        whole = torch.cat([rank[key].reshape(-1) for rank in ranks])
+        if whole.numel() < shape.numel():
+            raise DataError(f"{path}: the weight average {key[len(EMA_PREFIX):]} has {whole.numel()} values in "
+                            f"{len(files)} rank file(s) for a parameter of {shape.numel()}: a rank's file is missing")
+        state[key] = whole[: shape.numel()].float().view(shape).clone()
+    return state

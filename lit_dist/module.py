@@ -180,7 +180,8 @@ class LitModel(LightningModule):
             self.net.compile()  # in place: state_dict keys stay free of "_orig_mod."
             self._compiled = True
         if self.ema is not None:
-            self.ema.attach(self.net)  # after sharding: the average is sharded as the parameters are
+            # After sharding: the average is sharded as the parameters are. ZeRO-3 partitions them later, in its engine.
+            self.ema.attach(self.net, partitioned_later=bool(getattr(strategy, "zero_stage_3", False)))
             # DDP would broadcast rank 0's buffers before every forward: a whole model copy per step, for an
             # average that every rank computes the same.
             self._ddp_params_and_buffers_to_ignore = [f"ema.average.{name}" for name in self.ema.names]

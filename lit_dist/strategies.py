@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 from torch import nn
 
 from lit_dist.ckpt.match import differences, refuse
+from lit_dist.ckpt.store import STATE
 from lit_dist.errors import ConfigError
 
 
@@ -284,6 +285,30 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         with self._device_rank():
             return super()._initialize_deepspeed_inference(*args, **kwargs)
 
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        """Lightning's, after one check: a resume of training on as many processes as saved the checkpoint. DeepSpeed
+        partitions the optimizer state (and under ZeRO-3 the weights and their average) by process and cannot
+        repartition it: elsewhere it ends in its own exception's traceback."""
+        saved = _deepspeed_world_size(checkpoint_path)
+        if saved not in (None, self.world_size) and self.lightning_module.trainer.state.fn == "fit":
+            path = Path(checkpoint_path)
+            path = path.parent if path.name == STATE else path  # the checkpoint's folder, as lit-dist names it
+            raise ConfigError(f"the checkpoint {path} was saved by DeepSpeed on {saved} processes and this "
+                              f"run has {self.world_size}: DeepSpeed resumes only on as many as saved it. Run on {saved} "
+                              "processes (trainer.devices x trainer.num_nodes), or start a new run (run.run_id); "
+                              f"`lit-dist export {path}` writes its weights")
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+
+def _deepspeed_world_size(path) -> int | None:
+    """How many processes saved the DeepSpeed checkpoint at ``path`` (one optimizer-state file each); None if it
+    holds none."""
+    path = Path(path)
+    tag = path / "latest"
+    folder = path / tag.read_text().strip() if tag.is_file() else path
+    ranks = {re.search(r"zero_pp_rank_(\d+)_", f.name).group(1) for f in folder.glob("*zero_pp_rank_*_optim_states.pt")}
+    return len(ranks) or None
+
 
 INSTALL_DEEPSPEED = "Install it with `pip install --no-build-isolation deepspeed` (bash .ci/setup does)."
 
@@ -362,11 +387,6 @@ def check_deepspeed(config, world_size: int) -> tuple[list[str], list[str]]:
     zero = ds.get("zero_optimization", {})
     stage = zero.get("stage", args.get("stage", 2))
     problems, warnings = [], []
-    if stage == 3 and getattr(getattr(config.model, "init_args", config.model), "ema", None) is not None:
-        problems.append("model.ema does not work under DeepSpeed ZeRO-3 yet: ZeRO-3 partitions the parameters, and an "
-                        "average that follows its partitions is still to come. Use ZeRO-1 or ZeRO-2 "
-                        "(configs/deepspeed_zero2.yaml: a whole average per rank, as under DDP), FSDP2 for sharded "
-                        "parameters with a sharded average (configs/fsdp2.yaml), or leave model.ema out")
     per_device = getattr(getattr(config.data, "init_args", config.data), "batch_size_per_device", None)
     accumulate = int(config.trainer.accumulate_grad_batches or 1)
     ours = {"train_micro_batch_size_per_gpu": per_device, "gradient_accumulation_steps": accumulate,

@@ -1,17 +1,19 @@
-"""DeepSpeed on two CPU processes (lit_dist.strategies.DeepSpeedStrategy): every preset trains and validates;
+"""DeepSpeed on two CPU processes (lit_dist.strategies.DeepSpeedStrategy): every preset trains and validates,
+with a weight average (model.ema: whole under ZeRO-1/2, each rank's partition under ZeRO-3);
 ZeRO-2 and ZeRO-3 runs killed mid-epoch (SIGKILL) resume to the uninterrupted run's weights, bitwise; a preempted
 ZeRO-3 run saves at a step boundary and resumes to them too, and rotation never deletes the folder it resumed
 from; the consolidated model (model.pt at the end, `lit-dist export` of a ZeRO-3 checkpoint) loads into the plain
 network and predicts what the sharded model predicted."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
-from lit_dist.export import load_checkpoint_state
+from lit_dist.export import load_checkpoint_state, network_state
 from lit_dist.models import SimpleCNN
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("deepspeed")
 
 PRESETS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
-AVERAGED = ["zero1", "zero2", "zero2_offload"]  # model.ema: a whole average per rank; ZeRO-3 refuses it
+AVERAGED = PRESETS  # model.ema: a whole average per rank under ZeRO-1/2, its partition under ZeRO-3
 KILL, END, EVERY = 6, 8, 4  # ~25 steps per epoch at a global batch of 16: all mid-epoch
 
 
@@ -60,7 +62,8 @@ def uninterrupted(tmp_path_factory, demo_data):
         if preset not in runs:
             extra = ["--checkpoint.async_save", "true"] if preset == "zero1" else []
             runs[preset] = fit(tmp_path_factory.mktemp(preset), demo_data, preset, "run",
-                               "--trainer.callbacks+=tests.helpers.recorder.PredictAtEnd", *extra)
+                               "--trainer.callbacks+=tests.helpers.recorder.PredictAtEnd",
+                               "--trainer.callbacks.swap_step", str(END - 1), *extra)
         out, run_dir = runs[preset]
         assert out.returncode == 0, out.stderr[-4000:]
         return out, run_dir
@@ -87,6 +90,20 @@ def test_every_preset_trains_validates_and_writes_a_plain_model(preset, uninterr
         averaged = [k for k in state if k.startswith("ema.average.")]
         assert len(averaged) == len(list(SimpleCNN(num_classes=4).parameters())), "every parameter, no statistics"
         assert any(not torch.equal(state[k], state["net." + k.removeprefix("ema.average.")]) for k in averaged)
+        # The average swapped into the strategy's model predicts as the exported average does; mid-run, swapped in
+        # it changes the outputs and swapped out they are the raw weights' again (the model.pt check above).
+        swapped = torch.tensor(json.loads((run_dir / "predictions-ema-rank0.json").read_text()))
+        with torch.no_grad():
+            torch.testing.assert_close(plain_net(network_state(state, ema=True))(x), swapped)
+        mid = json.loads((run_dir / "swap-rank0.json").read_text())
+        assert mid["ema"] != mid["raw"], "the swap did not reach the model"
+    if preset.startswith("zero3"):  # each rank holds the average of its partition only: half the model, padding aside
+        params = sum(p.numel() for p in SimpleCNN(num_classes=4).parameters())
+        for rank in range(2):
+            held = torch.load(newest / STATE / "checkpoint" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+                              weights_only=False, mmap=True)["module"]
+            averaged = sum(v.numel() for k, v in held.items() if k.startswith("ema.average."))
+            assert params / 2 <= averaged <= params / 2 + 64, (rank, averaged, params)
 
 
 @pytest.mark.slow
@@ -144,9 +161,15 @@ def test_a_deepspeed_json_that_disagrees_with_the_run_is_refused_before_any_proc
     assert "train_micro_batch_size_per_gpu = 4 but the run says 8 (data.batch_size_per_device)" in out.stderr
     assert "gradient_accumulation_steps = 1: remove it from the JSON" in out.stderr
     assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
-    out, _ = fit(tmp_path, demo_data, "zero3", "ema", "--model.ema.decay", "0.999")
+
+
+def test_a_resume_on_another_number_of_processes_is_one_line_not_deepspeeds_traceback(tmp_path, demo_data,
+                                                                                       uninterrupted):
+    shutil.copytree(uninterrupted("zero2")[1] / "checkpoints", tmp_path / "quickstart" / "moved" / "checkpoints")
+    out, run_dir = fit(tmp_path, demo_data, "zero2", "moved", "--trainer.devices", "1")
     assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-3000:]
-    assert "model.ema does not work under DeepSpeed ZeRO-3 yet" in out.stderr and "Traceback" not in out.stderr
+    assert (f"the checkpoint {run_dir / 'checkpoints' / checkpoint_name(END)} was saved by DeepSpeed on 2 processes "
+            "and this run has 1" in out.stderr) and "Traceback" not in out.stderr
 
 
 def test_bf16_weights_get_bf16_images_in_training_and_validation(tmp_path, demo_data):

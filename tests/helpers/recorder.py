@@ -352,17 +352,40 @@ class MarkAtStep(Callback):
 
 class PredictAtEnd(Callback):
     """Writes the network's outputs for a fixed input to ``{run dir}/predictions-rank{N}.json`` when training ends,
-    with the strategy's own model (under ZeRO-3 each forward gathers the partitioned parameters: every rank runs it)."""
+    with the strategy's own model (under ZeRO-3 each forward gathers the partitioned parameters: every rank runs it).
 
-    def on_train_end(self, trainer, pl_module):
+    With model.ema, also ``predictions-ema`` (the average swapped in, then out again) at the end, and
+    ``swap-rank{N}.json`` after optimizer step ``swap_step``: the outputs with the average swapped in, then with the
+    raw weights back ({"ema": ..., "raw": ...}). Mid-run, ZeRO-3 keeps its small parameters gathered between steps,
+    which a swap into the partitions alone would not reach."""
+
+    def __init__(self, swap_step: int = 0):
+        self.swap_step = swap_step
+
+    @staticmethod
+    def _outputs(pl_module, swapped: bool = False) -> list:
         import torch
 
-        x = torch.randn(3, 3, 24, 40, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(3, 3, 24, 40, generator=torch.Generator().manual_seed(0)).to(pl_module.device)
         pl_module.eval()
+        if swapped:
+            pl_module.ema.swap_in()
         with torch.no_grad():
-            out = pl_module.net(x.to(pl_module.device))
+            out = pl_module.net(x).float().cpu().tolist()
+        if swapped:
+            pl_module.ema.swap_out()
         pl_module.train()
-        write_rank_json(trainer, "predictions", out.float().cpu().tolist())
+        return out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.swap_step and pl_module.ema is not None:
+            write_rank_json(trainer, "swap", {"ema": self._outputs(pl_module, swapped=True),
+                                              "raw": self._outputs(pl_module)})
+
+    def on_train_end(self, trainer, pl_module):
+        write_rank_json(trainer, "predictions", self._outputs(pl_module))
+        if pl_module.ema is not None and pl_module.ema.started(trainer.global_step):
+            write_rank_json(trainer, "predictions-ema", self._outputs(pl_module, swapped=True))
 
 
 class EMAPlacement(Callback):

@@ -190,7 +190,8 @@ def test_a_network_with_nothing_to_train_is_refused():
 
 
 def test_parameters_moved_or_an_average_cast_after_attach_are_refused_not_averaged():
-    # ZeRO-3 empties each parameter into its partition after the average was made; an older DeepSpeed cast buffers.
+    # A strategy that empties the parameters after the average was made (ZeRO-3 does, and the average follows it
+    # through ds_tensor, below); an older DeepSpeed cast buffers.
     ema = EMA(decay=0.5)
     net = nn.Linear(3, 2)
     ema.attach(net)
@@ -203,3 +204,39 @@ def test_parameters_moved_or_an_average_cast_after_attach_are_refused_not_averag
     ema.to(torch.bfloat16)
     with pytest.raises(ConfigError, match="torch.bfloat16 where the parameter is"):
         ema.update(1)
+
+
+def _as_zero3_rank_1_of_2(net: nn.Module) -> list[torch.Tensor]:
+    """What DeepSpeed's ZeRO-3 engine leaves of each parameter on rank 1 of 2: the parameter emptied, the rank's flat
+    slice (the second half, padded to equal halves) in ``ds_tensor``."""
+    for p in net.parameters():
+        flat = p.data.flatten()
+        half = (flat.numel() + 1) // 2
+        p.ds_tensor = torch.cat([flat[half:], flat.new_zeros(2 * half - flat.numel())])
+        p.data = torch.empty(0)
+    return [p.ds_tensor for p in net.parameters()]
+
+
+def test_under_zero3_the_average_is_of_this_ranks_partitions_and_never_of_whole_parameters():
+    ema, net = EMA(decay=0.5, warmup_power=None), nn.Linear(3, 3)
+    ema.attach(net, partitioned_later=True)
+    assert [ema.average.get_buffer(n).numel() for n in ema.names] == [0, 0], "no whole copy before the engine starts"
+    parts = _as_zero3_rank_1_of_2(net)
+    ema.update(1)  # the first update copies
+    assert [ema.average.get_buffer(n).shape for n in ema.names] == [(5,), (2,)]
+    before = [part.clone() for part in parts]
+    for part in parts:
+        part.add_(1.0)
+    ema.update(2)
+    for name, old in zip(ema.names, before, strict=True):
+        torch.testing.assert_close(ema.average.get_buffer(name), old + 0.5)
+    ema.swap_in()
+    assert all(torch.equal(part, ema.average.get_buffer(n)) for part, n in zip(parts, ema.names, strict=True))
+    ema.swap_out()
+    assert all(torch.equal(part, old + 1.0) for part, old in zip(parts, before, strict=True))
+    # A resumed rank: the engine partitions before the checkpoint is loaded into the empty average.
+    resumed, again = EMA(decay=0.5), nn.Linear(3, 3)
+    resumed.attach(again, partitioned_later=True)
+    _as_zero3_rank_1_of_2(again)
+    resumed.load_state_dict(ema.state_dict())
+    assert all(torch.equal(resumed.average.get_buffer(n), ema.average.get_buffer(n)) for n in ema.names)
