@@ -399,5 +399,9 @@ class EMAPlacement(Callback):
         full = sum(p.numel() for p in pl_module.net.parameters() if p.requires_grad)
         broadcast = getattr(trainer.strategy.model, "modules_buffers", [])
         ours = {b.data_ptr() for b in buffers}
+        from lit_dist.ema import _local
+
         write_rank_json(trainer, "ema", {"local": local, "full": full,
-                                         "broadcast": any(b.data_ptr() in ours for b in broadcast)})
+                                         "broadcast": any(b.data_ptr() in ours for b in broadcast),
+                                         "devices": sorted({str(_local(b).device) for b in buffers}),
+                                         "weight_devices": sorted({str(_local(p).device) for p in ema._params})})
