@@ -46,6 +46,10 @@ class StepTimer(Callback):
             self.start = time.perf_counter()
 
     def on_train_end(self, trainer, pl_module):
+        if self.start is None:
+            raise RuntimeError(f"StepTimer: the run ended after step {trainer.global_step}, within its "
+                               f"{self.warmup_steps} warm-up steps: nothing was timed. Run more steps or lower "
+                               "--trainer.callbacks.warmup_steps")
         steps = trainer.global_step - self.warmup_steps
         elapsed = time.perf_counter() - self.start
         if trainer.is_global_zero:
