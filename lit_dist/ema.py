@@ -99,7 +99,7 @@ class EMA(nn.Module):
         self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._raw: list[torch.Tensor] | None = None
         # ZeRO-3 partitions the parameters after attach: the average follows before it is read, loaded or saved.
-        self._register_load_state_dict_pre_hook(_follow_partitions, with_module=True)
+        self.register_load_state_dict_pre_hook(_follow_partitions)
         self.register_state_dict_pre_hook(_follow_partitions)
 
     # -- set-up -----------------------------------------------------------------------------------
