@@ -152,21 +152,14 @@ def _zero3_averages(path: str, state: dict, trust: bool) -> dict:
     own partition of each parameter (a flat slice, the last one padded) in its own model-states file, where
     DeepSpeed's converter takes buffers from rank 0's file only: the ranks' slices, in rank order, cut to the
     parameter's size and shaped like it."""
-    import glob
-    import re
-
     from lit_dist.ckpt import pickles
+    from lit_dist.ckpt.deepspeed_files import rank_files
 
     partitioned = [k for k in state if k.startswith(EMA_PREFIX)
                    and state[k].shape != state.get("net." + k[len(EMA_PREFIX):], state[k]).shape]
     if not partitioned:
         return state
-    tag = os.path.join(path, "latest")
-    if os.path.isfile(tag):
-        with open(tag) as f:
-            path = os.path.join(path, f.read().strip())
-    files = sorted(glob.glob(os.path.join(path, "zero_pp_rank_*_mp_rank_*_model_states.pt")),
-                   key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1)))
+    files = rank_files(path, "model_states")
     ranks = [pickles.load(f, TRUST, trust=trust, allowed=pickles.deepspeed_types(), mmap=True)["module"] for f in files]
     for key in partitioned:
         shape = state["net." + key[len(EMA_PREFIX):]].shape

@@ -303,11 +303,9 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
 def _deepspeed_world_size(path) -> int | None:
     """How many processes saved the DeepSpeed checkpoint at ``path`` (one optimizer-state file each); None if it
     holds none."""
-    path = Path(path)
-    tag = path / "latest"
-    folder = path / tag.read_text().strip() if tag.is_file() else path
-    ranks = {re.search(r"zero_pp_rank_(\d+)_", f.name).group(1) for f in folder.glob("*zero_pp_rank_*_optim_states.pt")}
-    return len(ranks) or None
+    from lit_dist.ckpt.deepspeed_files import rank_files
+
+    return len(rank_files(path, "optim_states")) or None
 
 
 INSTALL_DEEPSPEED = "Install it with `pip install --no-build-isolation deepspeed` (bash .ci/setup does)."

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from lit_dist.ckpt.deepspeed_files import tag_folder
 from lit_dist.errors import DataError
 
 
@@ -175,11 +176,7 @@ def vet_deepspeed(folder: str, opt_in: str, *, trust: bool = False) -> None:
     with ``weights_only``, memory-mapped, so no tensor is read. ``trust`` (the user's opt-in) skips it."""
     if trust:
         return
-    tag = os.path.join(folder, "latest")
-    if os.path.isfile(tag):
-        with open(tag) as f:
-            folder = os.path.join(folder, f.read().strip())
-    for root, _, names in os.walk(folder):
+    for root, _, names in os.walk(tag_folder(folder)):
         for name in sorted(n for n in names if n.endswith(".pt")):
             load(os.path.join(root, name), opt_in, allowed=deepspeed_types(), mmap=True)
 
