@@ -131,6 +131,17 @@ def rank_zero_writes(strategy) -> bool:
     return isinstance(strategy, (DDPStrategy, SingleDeviceStrategy))
 
 
+def writes_dcp_shards(strategy) -> bool:
+    """Whether the strategy saves FSDP2's sharded folder (ModelParallelStrategy with its distributed checkpoint),
+    which lit-dist writes itself (lit_dist/ckpt/sharded.py) in the layout Lightning loads."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(strategy, ModelParallelStrategy):
+        return False
+    with _internal("ModelParallelStrategy._save_distributed_checkpoint"):
+        return bool(strategy._save_distributed_checkpoint)
+
+
 def set_data_parallel(strategy, size: int) -> None:
     """Make a ModelParallelStrategy purely data parallel over ``size`` devices (one mesh dimension)."""
     with _internal("ModelParallelStrategy._data_parallel_size / _tensor_parallel_size"):

@@ -53,8 +53,9 @@ class Comm:
     Every method is a collective: every rank calls it, in the same order.
     """
 
-    def __init__(self, rank: int = 0, world: int = 1):
+    def __init__(self, rank: int = 0, world: int = 1, group=None):
         self.rank, self.world = rank, world
+        self.group = group  # a process group of every rank; None: the default one
 
     @classmethod
     def current(cls) -> "Comm":
@@ -66,14 +67,14 @@ class Comm:
 
     def barrier(self) -> None:
         if self.world > 1:
-            torch.distributed.barrier()
+            torch.distributed.barrier(group=self.group)
 
     def all_gather(self, obj) -> list:
         """Every rank's ``obj``, in rank order, on every rank."""
         if self.world == 1:
             return [obj]
         gathered = [None] * self.world
-        torch.distributed.all_gather_object(gathered, obj)
+        torch.distributed.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
     def broadcast(self, obj):
@@ -81,7 +82,7 @@ class Comm:
         if self.world == 1:
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def on_rank_zero(self, function, what: str):

@@ -20,7 +20,7 @@ resume from (the same choice as ``lit-dist export``).
 - Rotation runs after a save succeeded: it keeps the newest ``keep_last_n``, the best
   ``keep_best_k`` by ``monitor`` and always the checkpoint this run resumed from.
 - ``async_save: true`` copies the state aside (a fraction of a second) and writes it on a thread
-  (for strategies where rank 0 writes the whole checkpoint); the next save waits for it.
+  (DDP, single devices, FSDP2: each rank its shards); the next save waits for it.
 - Every RNG of every rank (torch, CUDA, numpy, Python) is saved and restored, with the model,
   optimizer, schedulers, loop counters and the data position, so a resumed run is the same run.
 - ``ckpt_path: auto`` (the CLI default) resumes from the newest checkpoint whose files match its
@@ -97,7 +97,7 @@ class Checkpointing(Checkpoint):
             monitor: Metric to rank checkpoints by (e.g. val/loss); with it, a checkpoint is saved after each validation.
             mode: 'min' or 'max': which values of monitor are better.
             keep_best_k: Best checkpoints by monitor kept on top of the newest keep_last_n.
-            async_save: Write checkpoints on a background thread after a quick copy of the state (DDP and single device).
+            async_save: Write checkpoints on a background thread after a quick copy of the state (DDP, single device, FSDP2).
             verify_checksums: Check every file's sha256 against the manifest before resuming (not just its size).
             storage_options: fsspec options for a remote dirpath (endpoint_url, region...); credentials come from the environment.
             outage_deadline_s: Seconds to wait out an object store that does not answer (each upload, listing, deletion) before exit 17.
@@ -146,6 +146,10 @@ class Checkpointing(Checkpoint):
         self._control = control
         control.set_saver(self)
         control.share("checkpoint.save_due", "max", lambda: 1.0 if self._time_due() else 0.0)
+        # A background save that failed (a full disk) stops the run within an exchange, not at the next save: the
+        # steps in between would write the run's other files onto the same full disk.
+        control.share("checkpoint.save_failed", "max",
+                      lambda: 1.0 if self._saver is not None and self._saver.failed_in_background() else 0.0)
         control.on_agreed(self._decide)
 
     def _time_due(self) -> bool:
@@ -153,6 +157,8 @@ class Checkpointing(Checkpoint):
                 and time.monotonic() - self._saver.last_save_time >= self.every_n_minutes * 60)
 
     def _decide(self, trainer, agreed: Agreed) -> None:
+        if agreed["checkpoint.save_failed"]:
+            self._saver.wait_for_save(trainer)  # every rank: agrees on the failure and raises it (exit 16, 17 or 1)
         if agreed["checkpoint.save_due"]:
             self._control.request_save("time")
 
@@ -237,8 +243,8 @@ class Checkpointing(Checkpoint):
             raise ConfigError(f"checkpoint.dirpath: {store.url} is an object store, where the sharded checkpoints of "
                               f"{type(trainer.strategy).__name__} cannot be written; use a shared filesystem path, or "
                               "a strategy whose checkpoint rank 0 writes (ddp; fsdp2 with save_distributed_checkpoint: false)")
-        if self.async_save and not compat.rank_zero_writes(trainer.strategy):
-            rank_zero_warn(f"lit-dist: checkpoint.async_save is for strategies where rank 0 writes the whole checkpoint; "
+        if self.async_save and not (compat.rank_zero_writes(trainer.strategy) or compat.writes_dcp_shards(trainer.strategy)):
+            rank_zero_warn(f"lit-dist: checkpoint.async_save is for DDP, single devices and FSDP2; "
                            f"{type(trainer.strategy).__name__} saves synchronously")
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO stays
             trainer.strategy.checkpoint_io = self._io

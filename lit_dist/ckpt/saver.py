@@ -12,7 +12,9 @@ asynchronous variant. The ``Checkpointing`` callback decides when; this decides 
 - On an object store, each upload, listing and deletion waits out an outage of the store (the store's
   ``outage_deadline_s``); past it the save fails with ``StoreUnreachable`` and every rank ends with exit 17,
   whether the save was synchronous or on the background thread (then at the next save or the end of fit).
-- ``async_save``: a quick copy of the state (``Snapshot``), then the write on a thread; the next save
+- FSDP2's sharded folder is written by ``lit_dist.ckpt.sharded`` (each rank its shard, hashed while written).
+- ``async_save``: a quick copy of the state (``Snapshot``: rank 0's whole state, or each rank's shards), then the
+  write on a thread (sharded: every rank's, with its collectives on a process group of its own); the next save
   (or the end of the run) waits for it and agrees on its outcome.
 - After a save, rotation keeps the newest ``keep_last_n``, the best ``keep_best_k`` by ``monitor`` and
   the checkpoint the run resumed from; ``checkpoint.saved`` is published.
@@ -21,9 +23,10 @@ asynchronous variant. The ``Checkpointing`` callback decides when; this decides 
 import errno
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -31,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lit_dist import compat
+from lit_dist.ckpt import sharded
 from lit_dist.ckpt.files import FileEntry, hash_file
 from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.snapshot import Snapshot
@@ -45,7 +49,7 @@ from lit_dist.ckpt.space import (
     too_little,
 )
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
-from lit_dist.distributed import agree_any, all_gather_object
+from lit_dist.distributed import Comm, agree_any, all_gather_object
 from lit_dist.errors import CheckpointError, StorageFull
 from lit_dist.outage import StoreUnreachable
 from lit_dist.run import RUN_ID_ENV
@@ -78,8 +82,8 @@ class Saver:
         self.last_saved_step = -1
         self.last_save_time = time.monotonic()
         self._snapshot = Snapshot()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-dist-save")
         self._pending: Future | None = None  # the asynchronous write in flight
+        self._group = None  # the process group of background sharded saves (made by the first one)
         self._state_bytes = 0  # this rank's part of the last checkpoint, in memory: its size before one is complete
         self._warned_room = False  # fewer than two more checkpoints fit: said once
 
@@ -110,7 +114,9 @@ class Saver:
         # On every rank before anything can fail: on_save_checkpoint gathers every rank's random states.
         checkpoint = compat.dump_checkpoint(trainer)
         self._state_bytes = state_bytes(checkpoint)  # the strategy may take parts of it apart while saving
-        if self.async_save and whole_on_rank_zero:
+        if compat.writes_dcp_shards(trainer.strategy):
+            self._save_shards(trainer, name, target, checkpoint, info, started)
+        elif self.async_save and whole_on_rank_zero:
             if trainer.is_global_zero:
                 self._write_in_background(name, target, checkpoint, info, started)
         else:
@@ -134,7 +140,55 @@ class Saver:
                 if not written:  # also when the run ends before the failure is agreed on
                     store.abandon(name)
 
-        self._pending = self._writer.submit(write)
+        self._pending = _in_background(write)
+
+    def _save_shards(self, trainer, name: str, target: str, checkpoint: dict, info: dict, started: float) -> None:
+        """Every rank: FSDP2's shards through DCP, now or (``async_save``) on a thread after a copy."""
+        error = None
+        if trainer.is_global_zero:
+            try:
+                self.store.begin(name)
+            except Exception as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
+                error = exc
+        if agree_any(trainer, error is not None):  # also the barrier: no rank writes before the folder is fresh
+            self._agree_saved(trainer, name, error)
+            return
+        tensors, meta = sharded.split(checkpoint)
+        rank, world = trainer.global_rank, trainer.world_size
+        if not self.async_save:
+            try:
+                self._write_shards(name, target, tensors, meta, info, started, None, Comm(rank, world))
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
+                error = exc
+            self._agree_saved(trainer, name, error)
+            return
+        if self._group is None and world > 1:  # every rank is here, at the same save: a collective is safe
+            self._group = sharded.background_group(compat.collective_timeout_s(trainer.strategy))
+        tensors, meta = self._snapshot.take((tensors, meta))
+        blocked = time.monotonic() - started  # the loop waits only for the copy
+        comm = Comm(rank, world, self._group)
+        self._pending = _in_background(
+            lambda: self._write_shards(name, target, tensors, meta, info, started, blocked, comm))
+
+    def _write_shards(self, name: str, target: str, tensors: dict, meta: dict, info: dict, started: float,
+                      blocked: float | None, comm: Comm) -> None:
+        """Every rank, over ``comm``'s group: write this rank's shards, and rank 0 ``meta.pt``; rank 0 finishes the
+        checkpoint once every rank's files are in. Raises this rank's error (another rank's is agreed on later)."""
+        error, files = None, {}
+        try:
+            files = sharded.write(tensors, target, comm.group)
+            if comm.rank == 0:
+                path = os.path.join(target, sharded.META)
+                self.io.save_checkpoint(meta, path)
+                files[os.path.join(STATE, sharded.META)] = self.io.written.pop(path)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised below, after the gather every rank joins
+            error = exc
+        everyone = comm.all_gather((files, error is not None))
+        if error is not None:
+            raise error
+        if comm.rank == 0 and not any(failed for _, failed in everyone):
+            self._finish(name, {rel: entry for theirs, _ in everyone for rel, entry in theirs.items()}, info, started,
+                         blocked)
 
     def _write(self, trainer, name: str, target: str, checkpoint: dict, info: dict, started: float,
                whole_on_rank_zero: bool) -> None:
@@ -228,6 +282,11 @@ class Saver:
         error = self.background_error()
         self._agree_saved(trainer, checkpoint_name(self.last_saved_step), error)
 
+    def failed_in_background(self) -> bool:
+        """Whether this rank's asynchronous write has already failed (without waiting for one in flight)."""
+        pending = self._pending
+        return pending is not None and pending.done() and pending.exception() is not None
+
     def background_error(self, timeout_s: float | None = None) -> BaseException | None:
         """Wait for the asynchronous write in flight (this rank only); its exception, reported once, else None."""
         if self._pending is None:
@@ -301,6 +360,23 @@ class Saver:
         if kind == "storage":
             raise CheckpointError(f"saving checkpoint {name} in {self.store.url} failed{where}: {text}") from error
         raise RuntimeError(f"saving checkpoint {name} failed{where} (its traceback is in that rank's log): {text}")
+
+
+def _in_background(work: Callable[[], None]) -> Future:
+    """``work()`` on a daemon thread of its own. Not a pool's thread: the interpreter joins those at exit, and a
+    sharded save's collective waiting for a rank that died would then keep the process alive until it times out.
+    Every normal end waits for the save first (``Checkpointing.on_train_end``, ``teardown``)."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(work())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the future
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="lit-dist-save", daemon=True).start()
+    return future
 
 
 def _described(error: BaseException | None, rank_bytes: int = 0, folder: str | None = None) -> tuple[str, str] | None:

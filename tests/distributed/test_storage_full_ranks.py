@@ -4,7 +4,8 @@ process is left, no partial save stays, and (DDP) the run resumes from a copy on
 
 - DDP: rank 0 writes the file and runs out of space (800 KiB: steps 2 and 4 fit, 6 does not).
 - FSDP2, out of space: both ranks write their shards through torch.distributed.checkpoint, which reports a
-  rank's failed write to every rank (700 KiB: the save at step 2 fits, 4 does not).
+  rank's failed write to every rank (700 KiB: the save at step 2 fits, 4 does not); also when the shards are
+  written on a background thread (``async_save``), where the failure is agreed on at the next save.
 - FSDP2, out of inodes: the checkpoint folder alone on a tmpfs of 9 inodes (its root, one sharded checkpoint of
   7, ``latest``), so the save at step 4 fails when rank 0 makes its folder, before any rank writes: the other
   rank must not wait for it in a collective rank 0 never reaches.
@@ -53,9 +54,10 @@ def test_ddp_a_full_disk_ends_every_rank_with_exit_16_and_resumes_on_a_bigger_on
     assert not left, left
 
 
-def test_fsdp2_a_shard_that_does_not_fit_ends_every_rank_with_exit_16(small_fs, demo_data):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_fsdp2_a_shard_that_does_not_fit_ends_every_rank_with_exit_16(small_fs, demo_data, async_save):
     small = small_fs("small", 700)
-    out, left = run(small, demo_data, *FSDP2)
+    out, left = run(small, demo_data, *FSDP2, checkpoint__async_save=async_save)
     check_ended_full(out, small / "quickstart" / "full" / "checkpoints", failed=4, newest=2, ranks=2)
     assert not left, left
 

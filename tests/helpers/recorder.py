@@ -405,3 +405,26 @@ class EMAPlacement(Callback):
                                          "broadcast": any(b.data_ptr() in ours for b in broadcast),
                                          "devices": sorted({str(_local(b).device) for b in buffers}),
                                          "weight_devices": sorted({str(_local(p).device) for p in ema._params})})
+
+
+class WeightsAtStart(Callback):
+    """At the start of training (after a resume has loaded its checkpoint), writes the whole network, gathered
+    from every rank's shards where sharded, to ``{run dir}/weights-at-start.pt`` (rank 0). A collective under
+    FSDP2: every rank gathers."""
+
+    def on_train_start(self, trainer, pl_module):
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(pl_module.net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.is_global_zero:
+            run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+            torch.save(state, os.path.join(run_dir, "weights-at-start.pt"))
+
+
+class EpochSize(Callback):
+    """Writes the number of samples the sampler plans for an epoch at this world size to ``{run dir}/epoch-size-rank{N}.json``."""
+
+    def on_train_start(self, trainer, pl_module):
+        sampler = trainer.datamodule.train_sampler(trainer.world_size, trainer.global_rank)
+        write_rank_json(trainer, "epoch-size", len(sampler) * sampler.global_batch_size)

@@ -85,6 +85,11 @@ def test_which_strategies_let_rank_zero_write_the_whole_checkpoint():
     assert not compat.rank_zero_writes(FSDPStrategy(state_dict_type="sharded"))
     assert not compat.rank_zero_writes(FSDP2Strategy(save_distributed_checkpoint=True))
     assert compat.rank_zero_writes(FSDP2Strategy(save_distributed_checkpoint=False))
+    # Only FSDP2's sharded folder is written by lit-dist itself (lit_dist/ckpt/sharded.py).
+    assert compat.writes_dcp_shards(FSDP2Strategy(save_distributed_checkpoint=True))
+    assert not compat.writes_dcp_shards(FSDP2Strategy(save_distributed_checkpoint=False))
+    assert not compat.writes_dcp_shards(FSDPStrategy(state_dict_type="sharded"))
+    assert not compat.writes_dcp_shards(DDPStrategy())
 
 
 def test_data_parallel_sizes_of_a_model_parallel_strategy():
