@@ -108,7 +108,12 @@ class Comm:
             result = function()
         except Exception as exc:  # noqa: BLE001 - nothing swallowed: sent to the other ranks, then raised here
             error = exc
-        gathered = self.all_gather((result, _describe(error)))
+        return self.gather_or_raise(result, error, what)
+
+    def gather_or_raise(self, obj, error: Exception | None, what: str) -> list:
+        """Every rank's ``obj`` (rank order) once every rank has said how ``what`` went on it: if it failed on any
+        rank (``error``: this rank's exception, or None), every rank raises."""
+        gathered = self.all_gather((obj, _describe(error)))
         if error is not None:
             raise error
         failed = [(rank, described) for rank, (_, described) in enumerate(gathered) if described is not None]

@@ -68,6 +68,7 @@ class BucketDataModule(LightningDataModule):
         create_demo_if_missing: bool = False,
         demo_num_images: int = 3000,
         cache: CacheConfig = CacheConfig(),
+        node_index_dir: str | None = "/dev/shm",
     ):
         """Configure the data.
 
@@ -101,6 +102,7 @@ class BucketDataModule(LightningDataModule):
             create_demo_if_missing: Generate the demo dataset if missing, only at its place data/shapes/metadata.parquet.
             demo_num_images: Number of images the demo dataset gets when generated.
             cache: Preprocessed cache of resized pixels and encoder outputs, read instead of decoding images.
+            node_index_dir: Node-local folder (shared memory) through which one rank per node shares the metadata index with the node's other ranks; null: every rank reads the table.
         """
         super().__init__()
         problems = []
@@ -153,6 +155,7 @@ class BucketDataModule(LightningDataModule):
         self.bad_samples = BadSamples(max_bad_fraction)
         self.storage_options = storage_options
         self.outage_deadline_s = outage_deadline_s
+        self.node_index_dir = node_index_dir
         self.create_demo_if_missing = create_demo_if_missing
         self.demo_num_images = demo_num_images
         self.cache = cache if cache is not None and cache.enabled else None
@@ -199,8 +202,16 @@ class BucketDataModule(LightningDataModule):
                 load_or_scan(source.scan_root, source.table_path, self.storage_options, source.labels_from_folders,
                              self.preserve_cache, comm=comm)
 
-    def read(self) -> list:
-        """Per dataset: its cleaned metadata (bad rows reported), each row's bucket and split (0/1/2)."""
+    def read(self, shared: bool = False) -> list:
+        """Per dataset: its cleaned metadata (bad rows reported), each row's bucket and split (0/1/2).
+        ``shared``: read once per node and mapped by its other ranks (``lit_dist.data.node_index``; a collective)."""
+        from lit_dist.data.node_index import shared_index
+        from lit_dist.distributed import Comm
+
+        parts, self.classes = shared_index(self._read_tables, self.node_index_dir if shared else None, Comm.current())
+        return parts
+
+    def _read_tables(self) -> tuple[list, list[str] | None]:
         from lit_dist.data.metadata import read_metadata
         from lit_dist.data.sources import merge_labels
 
@@ -213,8 +224,7 @@ class BucketDataModule(LightningDataModule):
             if meta.bad.total:
                 rank_zero_warn(f"lit-dist: skipped {meta.bad.total} bad rows of {source.table_path}: {meta.bad.summary()}")
             parts.append((meta, meta.bucket_ids(self.bucket_sizes), meta.splits))
-        self.classes = merge_labels([meta for meta, _, _ in parts])
-        return parts
+        return parts, merge_labels([meta for meta, _, _ in parts])
 
     def connect(self, control: RunControl) -> None:
         """Take part in the run control (called by it at setup, after this module's setup): the bad-sample
@@ -231,7 +241,7 @@ class BucketDataModule(LightningDataModule):
 
         if Comm.current().world > 1:  # every rank is here (prepare_data runs on one per node): split the scan
             self.index_folders()
-        parts = self.read()
+        parts = self.read(shared=True)
         if self.cache is None:  # images are decoded: before anything else, are they where the root says?
             self.check_roots(parts)
         else:  # the cache checks the images it will decode itself (none in mode read)
