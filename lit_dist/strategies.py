@@ -17,7 +17,7 @@ import importlib
 import importlib.util
 import os
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -263,6 +263,7 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         reset_seed()
         self.set_world_ranks()
         self._init_deepspeed_distributed()
+        _unlink_shm_buffer(self.global_rank)
 
     @contextmanager
     def _device_rank(self):
@@ -298,6 +299,21 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
                               "processes (trainer.devices x trainer.num_nodes), or start a new run (run.run_id); "
                               f"`lit-dist export {path}` writes its weights")
         return super().load_checkpoint(checkpoint_path, weights_only)
+
+
+def _unlink_shm_buffer(rank: int) -> None:
+    """Remove the name of this rank's shared-memory buffer of DeepSpeed's CPU all-reduce, once every rank has
+    mapped every other's (DeepSpeed's ``shm_initialize`` returns only then; the barrier waits for all of them).
+    DeepSpeed never removes it: each CPU run left 69 MB per rank in /dev/shm for good. The mappings stay valid;
+    the memory goes with the last process that maps it, a killed one included."""
+    import torch.distributed as dist
+
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
+           f"{os.environ.get('MASTER_PORT', '')}_{rank}"  # deepspeed/ops/csrc/cpu/comm/shm.cpp
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    with suppress(FileNotFoundError):  # DeepSpeed without its shm all-reduce (ranks on several nodes, older builds)
+        os.unlink(name)
 
 
 def _deepspeed_world_size(path) -> int | None:
