@@ -56,23 +56,29 @@ def shared_index(read: Callable[[], tuple[list, list | None]], folder_root: str 
         if error is None:
             fallback = _write_or_why_not(folder_root, folder, result)
     why = comm.gather_or_raise(fallback, error, "reading the metadata")[first]
-    if why is not None:
-        if comm.rank == first:
-            print(f"lit-dist: node {host}: every rank reads the metadata itself (no shared index: {why}); set "
-                  "data.node_index_dir to a writable node-local folder, or to null to silence this", file=sys.stderr,
-                  flush=True)
-        return result if comm.rank == first else read()
-    result = None  # the first rank's own copy: from here on it maps the shared one like the others
-    _release_arrow_memory()
+    # Every rank runs the same collectives from here whatever its node does: nodes may differ (one falls back).
     loaded = None
-    try:
-        loaded = load(folder)
-    except (OSError, ValueError, KeyError) as exc:
-        error = LitDistError(f"mapping the node's metadata index in {folder} failed: {type(exc).__name__}: {exc}")
+    if why is None:
+        result = None  # the first rank's own copy: from here on it maps the shared one like the others
+        _release_arrow_memory()
+        try:
+            loaded = load(folder)
+        except (OSError, ValueError, KeyError) as exc:
+            error = LitDistError(f"mapping the node's metadata index in {folder} failed: {type(exc).__name__}: {exc}")
+    elif comm.rank == first:
+        print(f"lit-dist: node {host}: every rank reads the metadata itself (no shared index: {why}); set "
+              "data.node_index_dir to a writable node-local folder, or to null to silence this", file=sys.stderr,
+              flush=True)
+        loaded = result
+    else:
+        try:
+            loaded = read()
+        except Exception as exc:  # noqa: BLE001 - sent to every rank by gather_or_raise, then raised here
+            error = exc
     try:  # also the barrier after which no rank opens the folder any more
-        comm.gather_or_raise(None, error, "mapping the node's metadata index")
+        comm.gather_or_raise(None, error, "mapping or reading the node's metadata index")
     finally:
-        if comm.rank == first:
+        if comm.rank == first and why is None:
             _remove(folder)
     return loaded
 

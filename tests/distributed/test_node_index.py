@@ -19,9 +19,17 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 
 
-def _worker(rank: int, port: int, metadata: str, node_index_dir, queue) -> None:
+def _worker(rank: int, port: int, metadata: str, node_index_dir, queue, nodes: bool = False) -> None:
     from lit_dist.data.datamodule import BucketDataModule
 
+    if nodes:  # each rank a node of its own, and rank 1's folder unusable: one node shares, the other falls back
+        import socket
+
+        import lit_dist.data.node_index as node_index
+
+        socket.gethostname = lambda: f"node{rank}"
+        if rank == 1:
+            node_index.os.access = lambda path, mode: False
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
@@ -41,20 +49,26 @@ def _worker(rank: int, port: int, metadata: str, node_index_dir, queue) -> None:
         dist.destroy_process_group()
 
 
-def run(metadata, node_index_dir) -> dict:
+def run(metadata, node_index_dir, nodes: bool = False) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(metadata), node_index_dir, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, str(metadata), node_index_dir, queue, nodes))
+             for r in range(WORLD)]
     for p in procs:
         p.start()
     results = {}
-    for _ in procs:
-        rank, *rest = queue.get(timeout=120)
-        results[rank] = rest
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    try:
+        for _ in procs:
+            rank, *rest = queue.get(timeout=120)
+            results[rank] = rest
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:  # a rank that hangs must not outlive the test
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     return results
 
 
@@ -85,3 +99,15 @@ def test_without_a_usable_folder_every_rank_reads_the_table(tmp_path, demo_data,
         assert results[rank][2] == [] and results[rank][:2] == private[rank][:2]
     err = capfd.readouterr().err
     assert "every rank reads the metadata itself (no shared index: " in err and "is not a writable folder" in err, err
+
+
+def test_a_node_that_falls_back_runs_the_same_collectives_as_one_that_shares(tmp_path, demo_data, capfd):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mixed = run(demo_data, str(shm), nodes=True)  # a mismatch of collectives would hang here (the queue's timeout)
+    private = run(demo_data, None)
+    assert mixed[0][2] and mixed[1][2] == [], "node0 maps its index, node1 reads the table itself"
+    for rank in range(WORLD):
+        assert mixed[rank][:2] == private[rank][:2]
+    assert "lit-dist: node node1: every rank reads the metadata itself" in capfd.readouterr().err
+    assert os.listdir(shm) == []
