@@ -142,14 +142,19 @@ class Saver:
 
         self._pending = _in_background(write)
 
+    def _begin(self, trainer, name: str) -> BaseException | None:
+        """Rank 0 makes the checkpoint's fresh folder; its error (agreed on by the caller, then raised), else None."""
+        if not trainer.is_global_zero:
+            return None
+        try:
+            self.store.begin(name)
+        except Exception as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
+            return exc
+        return None
+
     def _save_shards(self, trainer, name: str, target: str, checkpoint: dict, info: dict, started: float) -> None:
         """Every rank: FSDP2's shards through DCP, now or (``async_save``) on a thread after a copy."""
-        error = None
-        if trainer.is_global_zero:
-            try:
-                self.store.begin(name)
-            except Exception as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
-                error = exc
+        error = self._begin(trainer, name)
         if agree_any(trainer, error is not None):  # also the barrier: no rank writes before the folder is fresh
             self._agree_saved(trainer, name, error)
             return
@@ -194,12 +199,7 @@ class Saver:
                whole_on_rank_zero: bool) -> None:
         """Every rank: write now, agree on the outcome; the same collectives in the same order on every rank
         whatever fails where."""
-        error = None
-        if trainer.is_global_zero:
-            try:
-                self.store.begin(name)
-            except Exception as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
-                error = exc
+        error = self._begin(trainer, name)
         # Every rank learns whether rank 0 made the folder, and all skip the strategy's save together if it did
         # not (the save holds collectives: FSDP2, DeepSpeed; ModelParallelStrategy broadcasts the path). It is
         # also the barrier that keeps every rank from writing before the folder is fresh.

@@ -38,9 +38,6 @@ class _HashingStream(HashingWriter):
     def close(self) -> None:
         self.file.flush()
 
-    def writable(self) -> bool:
-        return True
-
 
 class HashingFileSystem(FileSystem):
     """DCP's local filesystem, recording each written file's size and sha256 (by path) as it is written."""

@@ -48,11 +48,15 @@ class Snapshot:
             torch.cuda.synchronize()  # the non-blocking copies must land before another thread reads them
         return state
 
-    def _shard(self, index: int, tensor: DTensor) -> DTensor:
-        """A CPU DTensor like ``tensor`` (same mesh, placements, global shape) holding a copy of its local shard."""
+    def _kept(self, index: int) -> torch.Tensor:
+        """The buffer kept at ``index`` from the last save (an empty tensor the first time)."""
         while len(self._buffers) <= index:
             self._buffers.append(torch.empty(0))
-        buffer, local = self._buffers[index], tensor.to_local()
+        return self._buffers[index]
+
+    def _shard(self, index: int, tensor: DTensor) -> DTensor:
+        """A CPU DTensor like ``tensor`` (same mesh, placements, global shape) holding a copy of its local shard."""
+        buffer, local = self._kept(index), tensor.to_local()
         if not (isinstance(buffer, DTensor) and buffer.to_local().shape == local.shape and buffer.dtype == local.dtype
                 and buffer.placements == tensor.placements and buffer.device_mesh == tensor.device_mesh
                 and buffer.shape == tensor.shape):
@@ -65,9 +69,7 @@ class Snapshot:
         return buffer
 
     def _buffer(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        while len(self._buffers) <= index:
-            self._buffers.append(torch.empty(0))
-        buffer = self._buffers[index]
+        buffer = self._kept(index)
         if type(buffer) is not torch.Tensor or buffer.shape != like.shape or buffer.dtype != like.dtype:
             buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
             self._buffers[index] = buffer
