@@ -221,7 +221,7 @@ class RunControl(Callback):
         self._connected = True
         self.subscribe(Console())
         # Every component that takes part gets the control; none of them gets another component.
-        for component in [*trainer.callbacks, getattr(trainer, "datamodule", None), pl_module]:
+        for component in [*trainer.callbacks, getattr(trainer, "datamodule", None), pl_module, *trainer.loggers]:
             if component is not self and callable(getattr(component, "connect", None)):
                 component.connect(self)
 
@@ -326,10 +326,12 @@ class RunControl(Callback):
         if reasons and self._saver is not None:
             reason = stop.save if stop is not None and stop.save else reasons[0]
             saved = self._saver.save(trainer, reason)
-            if stop is not None:
-                self._saver.wait_for_save(trainer)
         if stop is None:
             return
+        if self._saver is not None:
+            # Whatever save is in flight (this stop's or an earlier one) completes before the run ends; one that
+            # failed (the disk filled) is the cause, raised in place of the stop's error (the logs that no longer fit).
+            self._saver.wait_for_save(trainer)
         if stop.announce is not None:
             stop.announce(trainer, saved)
         self.flush()

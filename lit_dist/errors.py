@@ -64,7 +64,7 @@ class CheckpointError(LitDistError):
 
 
 class StorageFull(CheckpointError):
-    """A checkpoint did not fit: no space (or no inodes, or the quota) left where the checkpoints are written."""
+    """What the run writes did not fit (a checkpoint, mostly): no space, inodes or quota left where it is written."""
 
     exit_code = ExitCode.STORAGE_FULL
 

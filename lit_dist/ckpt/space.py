@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_dist.errors import StorageFull
+
 # Out of blocks or inodes (ENOSPC), or over the user's quota (EDQUOT): more room is the fix for all three.
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -53,6 +55,18 @@ def os_errors(exc: BaseException | None) -> list[OSError]:
 def full_error(exc: BaseException | None) -> OSError | None:
     """The 'no space' / 'quota exceeded' error that ``exc`` is or holds, else None."""
     return next((e for e in os_errors(exc) if e.errno in FULL_ERRNOS), None)
+
+
+def storage_full(exc: BaseException | None, who: str = "") -> StorageFull | None:
+    """A StorageFull naming what did not fit, for a no-space or quota error anywhere in ``exc``'s chain that no
+    component turned into its own line (a journal, a cache, an index, an export): the fix is the same, more room.
+    ``who``: the line's start, e.g. "rank 1: " in a run of several processes."""
+    if (full := full_error(exc)) is None:
+        return None
+    what = full.filename if isinstance(full.filename, str) else None
+    where = f" writing {what} ({room_text(room(os.path.dirname(what) or '.'))})" if what else " (the error names no file)"
+    return StorageFull(f"{who}{os.strerror(full.errno)}{where}. Free space there or write elsewhere, then run the "
+                       "same command again (a training run resumes from its newest complete checkpoint)")
 
 
 def short_write(exc: BaseException | None) -> RuntimeError | None:

@@ -11,6 +11,7 @@ srun/torchrun), the header reads are split among them and rank 0 merges the resu
 table is identical to the one a single process writes.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -399,5 +400,10 @@ def write_table_atomically(table, path: str) -> None:
         fs.makedirs(parent, exist_ok=True)
     # Host and pid: writers on several nodes of a shared folder never share a temporary file.
     tmp = f"{target}.tmp-{socket.gethostname()}-{os.getpid()}"
-    pq.write_table(table, tmp, filesystem=fs)
+    try:
+        pq.write_table(table, tmp, filesystem=fs)
+    except OSError as exc:  # a full disk: no half-written file stays, and the error names the one that did not fit
+        with contextlib.suppress(OSError):
+            fs.rm(tmp)
+        raise OSError(exc.errno, exc.strerror or str(exc), path) from exc
     fs.mv(tmp, target)

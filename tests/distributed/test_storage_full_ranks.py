@@ -6,12 +6,16 @@ process is left, no partial save stays, and (DDP) the run resumes from a copy on
 - FSDP2, out of space: both ranks write their shards through torch.distributed.checkpoint, which reports a
   rank's failed write to every rank (700 KiB: the save at step 2 fits, 4 does not); also when the shards are
   written on a background thread (``async_save``), where the failure is agreed on at the next save.
+- DDP, the run directory filling while training (checkpoints elsewhere): rank 0's TensorBoard writer fails, and
+  every rank stops at the next exchange with the same line, not rank 0 alone with a traceback.
 - FSDP2, out of inodes: the checkpoint folder alone on a tmpfs of 9 inodes (its root, one sharded checkpoint of
   7, ``latest``), so the save at step 4 fails when rank 0 makes its folder, before any rank writes: the other
   rank must not wait for it in a collective rank 0 never reaches.
 """
 
 import shutil
+import threading
+import time
 
 import pytest
 
@@ -67,4 +71,36 @@ def test_fsdp2_rank_0_failing_to_make_the_folder_ends_every_rank_with_exit_16(sm
     out, left = run(tmp_path, demo_data, *FSDP2, checkpoint__dirpath=checkpoints)
     line = check_ended_full(out, checkpoints, failed=4, newest=2, ranks=2)
     assert "no free inodes" in line, line
+    assert not left, left
+
+
+def fill_when(path_glob: str, folder, stop: threading.Event) -> None:
+    """Once a file matching ``path_glob`` exists under ``folder``, write a file there until the disk is full."""
+    while not stop.is_set() and not any(folder.glob(path_glob)):
+        time.sleep(0.05)
+    with open(folder / "filler", "wb") as f:
+        try:
+            while not stop.is_set():
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_ddp_tensorboard_events_that_no_longer_fit_stop_every_rank_with_exit_16(small_fs, tmp_path, demo_data):
+    small = small_fs("small", 4096)
+    stop = threading.Event()
+    filler = threading.Thread(target=fill_when, args=("quickstart/full/events.out.tfevents.*", small, stop))
+    filler.start()
+    try:
+        out, left = run(small, demo_data, trainer__strategy="ddp", trainer__max_steps=400, trainer__log_every_n_steps=1,
+                        checkpoint__dirpath=str(tmp_path / "checkpoints"), checkpoint__every_n_steps=1000)
+    finally:
+        stop.set()
+        filler.join()
+    assert out.returncode == 16, out.stderr[-4000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert len(errors) == 2 and len(set(errors)) == 1, (errors, out.stderr[-3000:])
+    assert f"TensorBoard events no longer fit in {small / 'quickstart' / 'full'}" in errors[0], errors[0]
+    assert "Traceback" not in out.stderr, out.stderr[-4000:]
     assert not left, left

@@ -19,7 +19,7 @@ from lit_dist.ckpt.saver import _described
 from lit_dist.ckpt.space import full_error, os_errors
 from lit_dist.ckpt.store import CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
-from tests.conftest import lit_dist, quickstart_args
+from tests.conftest import REPO, lit_dist, quickstart_args
 from tests.helpers.small_fs import RUN, check_ended_full, mounter
 
 
@@ -54,6 +54,21 @@ def test_a_full_disk_ends_with_one_line_and_exit_16_and_the_run_resumes_on_a_big
     assert f"resuming from {checkpoints / checkpoint_name(4)}" in resumed.stdout + resumed.stderr
     assert CheckpointStore(str(checkpoints)).find_valid()[0] == checkpoint_name(10)
     assert "running out of room" not in resumed.stderr
+
+
+@pytest.mark.process
+def test_an_index_that_does_not_fit_ends_with_one_line_naming_it_and_exit_16(small_fs):
+    small = small_fs("small", 16)
+    (small / "filler").write_bytes(b"\0" * 12 * 1024)  # room for less than the index of 3,000 images
+    out = lit_dist("index", str(REPO / "data" / "shapes"), "--output", str(small / "metadata.parquet"), timeout=180)
+    assert out.returncode == ExitCode.STORAGE_FULL, out.stderr[-4000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert len(errors) == 1 and re.fullmatch(
+        re.escape(f"lit-dist: error: No space left on device writing {small / 'metadata.parquet'} (the filesystem at "
+                  f"{small} has ") + r"\d+ (bytes|KB) free\)\. Free space there or write elsewhere, then run the same "
+        r"command again \(a training run resumes from its newest complete checkpoint\)", errors[0]), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-4000:]
+    assert sorted(p.name for p in small.iterdir()) == ["filler"], "a half-written index was left"
 
 
 @pytest.mark.process
