@@ -113,20 +113,9 @@ def _dcp_state(path: str, trust: bool) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lit_dist.ckpt import pickles
+    from lit_dist.ckpt.sharded import ShardReader
 
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with open(os.path.join(path, ".metadata"), "rb") as f:
-                metadata = pickles.load_dcp_metadata(f, os.path.join(path, ".metadata"), TRUST, trust=trust)
-            if getattr(metadata, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    reader = Reader(path)
+    reader = ShardReader(path, TRUST, trust=trust)
     tensors = {k: v for k, v in reader.read_metadata().state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     # Lightning keeps the module under "state_dict" (ModelParallelStrategy, FSDP2) or "model" (FSDP1 sharded).
     prefix = next((p for p in ("state_dict.", "model.") if any(k.startswith(p) for k in tensors)), "")

@@ -134,24 +134,39 @@ class FSDP2Strategy(ModelParallelStrategy):
         """Lightning's load, checked first against the model: a tensor of another shape or name is one
         clear error instead of DCP's traceback, and those the module may lack (its ``optional_state``, e.g. a
         weight average turned on at this resume) are left out of the load and started by ``start_unsaved``."""
-        path = Path(self.broadcast(checkpoint_path))
-        saved, sharded = _saved_shapes(path, weights_only)
+        from lit_dist.ckpt import pickles, sharded
+        from lit_dist.ckpt.io import TRUST
+
+        location = str(self.broadcast(checkpoint_path))
+        reader = sharded.store_reader(location, self.checkpoint_io, TRUST, trust=weights_only is False)
+        if reader is None:
+            path = Path(location)
+            saved, is_sharded = _saved_shapes(path, weights_only)
+
+            def load() -> dict:
+                return super(FSDP2Strategy, self).load_checkpoint(path, weights_only)
+        else:  # an object store: the CLI vets local folders only
+            pickles.vet_sharded(location, TRUST, trust=weights_only is False, reader=reader)
+            saved, is_sharded, path = sharded.saved_shapes(reader), True, location
+
+            def load() -> dict:
+                return sharded.load(self, reader, lambda url: self.checkpoint_io.load_checkpoint(url, weights_only=weights_only))
         if saved is None:
-            return super().load_checkpoint(path, weights_only)
+            return load()
         module = self.lightning_module
         model = {key: tuple(tensor.shape) for key, tensor in module.state_dict().items()}
         optional = getattr(module, "optional_state", lambda key: False)
         refuse(path, differences(saved, model, optional) if module.strict_loading else [])
         unsaved = [key for key in model if key not in saved and optional(key)]  # the rest: checked above
         if not unsaved:
-            return super().load_checkpoint(path, weights_only)
+            return load()
         # DCP loads what the module's state dict names (so the unsaved keys leave it); a whole file is loaded
         # key by key against the module, non-strictly now that every difference has been checked above.
         handles = [module.register_state_dict_post_hook(_drop(unsaved)),
                    module.register_load_state_dict_post_hook(_not_missing(unsaved))]
-        strict, module.strict_loading = module.strict_loading, module.strict_loading and sharded
+        strict, module.strict_loading = module.strict_loading, module.strict_loading and is_sharded
         try:
-            checkpoint = super().load_checkpoint(path, weights_only)
+            checkpoint = load()
         finally:
             module.strict_loading = strict
             for handle in handles:

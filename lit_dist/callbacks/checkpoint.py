@@ -239,10 +239,10 @@ class Checkpointing(Checkpoint):
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
         store = self.store(trainer)
-        if not store.local and not compat.rank_zero_writes(trainer.strategy):
+        if not (store.local or compat.rank_zero_writes(trainer.strategy) or compat.writes_dcp_shards(trainer.strategy)):
             raise ConfigError(f"checkpoint.dirpath: {store.url} is an object store, where the sharded checkpoints of "
                               f"{type(trainer.strategy).__name__} cannot be written; use a shared filesystem path, or "
-                              "a strategy whose checkpoint rank 0 writes (ddp; fsdp2 with save_distributed_checkpoint: false)")
+                              "a strategy whose checkpoints lit-dist writes there (ddp, fsdp2)")
         if self.async_save and not (compat.rank_zero_writes(trainer.strategy) or compat.writes_dcp_shards(trainer.strategy)):
             rank_zero_warn(f"lit-dist: checkpoint.async_save is for DDP, single devices and FSDP2; "
                            f"{type(trainer.strategy).__name__} saves synchronously")

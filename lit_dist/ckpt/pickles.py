@@ -144,28 +144,30 @@ def load_dcp_metadata(file, where: str, opt_in: str, *, trust: bool = False):
                               f"unpickle it. If you trust the file and where it came from: {opt_in}") from None
 
 
-def vet_sharded(folder: str, opt_in: str, *, trust: bool = False) -> None:
+def vet_sharded(folder: str, opt_in: str, *, trust: bool = False, reader=None) -> None:
     """Refuse a sharded checkpoint (a ``torch.distributed.checkpoint`` folder) whose pickles name a type beyond
     its own, before a resume hands it to torch: ``FileSystemReader`` reads ``.metadata`` with plain
     ``pickle.load`` and its planner every non-tensor entry with ``torch.load(weights_only=False)``. Here the
     metadata is read through the restricted unpickler and each non-tensor entry with ``weights_only``; torch
-    then reads the same bytes. ``trust`` (the user's opt-in) skips it."""
+    then reads the same bytes. ``trust`` (the user's opt-in) skips it. ``reader``: the folder's
+    ``lit_dist.ckpt.sharded.ShardReader`` (one on an object store); by default a local one."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from lit_dist.ckpt.sharded import ShardReader
 
     if trust:
         return
-    path = os.path.join(folder, ".metadata")
-    with open(path, "rb") as f:
-        metadata = load_dcp_metadata(f, path, opt_in)
+    reader = reader or ShardReader(folder, opt_in)
+    metadata = reader.read_metadata()
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue  # a tensor's bytes: raw storage, no pickle
-        where = f"{os.path.join(folder, info.relative_path)} (entry {index.fqn})"
+        where = f"{folder.rstrip('/')}/{info.relative_path} (entry {index.fqn})"
         if getattr(info, "transform_descriptors", None):
             raise UntrustedPickle(f"{where} is stored through {', '.join(info.transform_descriptors)}, which "
                                   f"lit-dist cannot check before torch unpickles it. If you trust the file and where "
                                   f"it came from: {opt_in}")
-        with open(os.path.join(folder, info.relative_path), "rb") as f:
+        with reader.open(info.relative_path) as f:
             f.seek(info.offset)
             load(io.BytesIO(f.read(info.length)), opt_in, where=where)
 

@@ -12,7 +12,8 @@ asynchronous variant. The ``Checkpointing`` callback decides when; this decides 
 - On an object store, each upload, listing and deletion waits out an outage of the store (the store's
   ``outage_deadline_s``); past it the save fails with ``StoreUnreachable`` and every rank ends with exit 17,
   whether the save was synchronous or on the background thread (then at the next save or the end of fit).
-- FSDP2's sharded folder is written by ``lit_dist.ckpt.sharded`` (each rank its shard, hashed while written).
+- FSDP2's sharded folder is written by ``lit_dist.ckpt.sharded`` (each rank its shard, hashed while written;
+  on an object store staged in ``$TMPDIR`` and uploaded whole, retried like every other upload).
 - ``async_save``: a quick copy of the state (``Snapshot``: rank 0's whole state, or each rank's shards), then the
   write on a thread (sharded: every rank's, with its collectives on a process group of its own); the next save
   (or the end of the run) waits for it and agrees on its outcome.
@@ -180,8 +181,14 @@ class Saver:
         """Every rank, over ``comm``'s group: write this rank's shards, and rank 0 ``meta.pt``; rank 0 finishes the
         checkpoint once every rank's files are in. Raises this rank's error (another rank's is agreed on later)."""
         error, files = None, {}
+        store = self.store
         try:
-            files = sharded.write(tensors, target, comm.group)
+            if store.local:
+                files = sharded.write(tensors, target, comm.group)
+            else:
+                folder = store.path(name)
+                files = sharded.write(tensors, store.path(name, STATE), comm.group, sharded.StoreFileSystem(
+                    store.fs, store.remote, lambda path: f"{store.saving(name)} (its {path[len(folder) + 1:]})"))
             if comm.rank == 0:
                 path = os.path.join(target, sharded.META)
                 self.io.save_checkpoint(meta, path)

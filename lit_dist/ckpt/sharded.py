@@ -9,19 +9,30 @@ Synchronous, this runs on the training thread over the run's process group. Asyn
 thread only copies the shards aside (``Snapshot``) and this runs on a background thread over a process group
 of its own (gloo, made once by every rank), as torchtitan does: collectives of the background save never
 interleave with the training step's on the same group.
+
+On an object store (``StoreFileSystem``) each rank writes its shard file into a temporary file of its own
+(``$TMPDIR``, hashed on the way) and uploads it whole, retried through an outage of the store like every other
+checkpoint upload; a resume reads the byte ranges it needs, each request retried the same way.
 """
 
+import io
 import os
+import tempfile
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 
 from lit_dist.ckpt.files import FileEntry, HashingWriter
+
+T = TypeVar("T")
+# ``retry(operation, verb, what)``: ``operation()`` retried through an outage of the store (CheckpointStore.remote).
+Retry = Callable[[Callable[[], T], str, str], T]
 
 META = "meta.pt"  # Lightning's name for the non-tensor part (lightning.fabric.strategies.model_parallel)
 
@@ -67,12 +78,120 @@ class HashingFileSystem(FileSystem):
                 self.entries[str(new_path)] = self.entries.pop(str(path))
 
 
-class ShardWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` (one file per rank, fsynced) through a ``HashingFileSystem``."""
+class StoreFileSystem(FileSystemBase):
+    """DCP's filesystem on an object store (an fsspec filesystem): a file is written into a local temporary file,
+    hashed on the way, then uploaded whole; a file is read by byte ranges. Every request goes through ``retry``,
+    so an outage of the store is waited out (up to its deadline) one idempotent request at a time."""
 
-    def __init__(self, path: str):
-        super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=False)
-        self.fs = HashingFileSystem()
+    def __init__(self, fs, retry: Retry, describe: Callable[[str], str] | None = None):
+        super().__init__()
+        self.fs, self.retry, self.describe = fs, retry, describe
+        self.entries: dict[str, FileEntry] = {}
+        self._lock = threading.Lock()
+
+    def url(self, path) -> str:
+        """``path``'s URL, or what ``describe`` makes of it (an outage's message: "step 10 to s3://...")."""
+        return self.describe(str(path)) if self.describe else self.fs.unstrip_protocol(str(path))
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator:
+        path = str(path)
+        if "w" not in mode:
+            size = self.retry(lambda: self.fs.size(path), "reading", self.url(path))
+            yield RangedReader(lambda start, end: self.retry(lambda: self.fs.cat_file(path, start=start, end=end),
+                                                             "reading", self.url(path)), size)
+            return
+        fd, staged = tempfile.mkstemp(prefix="lit-dist-shard-")
+        try:
+            with os.fdopen(fd, "wb", buffering=8 << 20) as f:
+                stream = _HashingStream(f)
+                yield stream
+                f.flush()
+            self.retry(lambda: self.fs.put_file(staged, path), "saving", self.url(path))
+        finally:
+            with suppress(FileNotFoundError):
+                os.unlink(staged)
+        with self._lock:
+            self.entries[path] = stream.entry()
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path) -> str:
+        return str(path)
+
+    def rename(self, path, new_path) -> None:
+        self.retry(lambda: self.fs.mv(str(path), str(new_path)), "saving", self.url(new_path))
+        with self._lock:
+            if str(path) in self.entries:
+                self.entries[str(new_path)] = self.entries.pop(str(path))
+
+    def mkdir(self, path) -> None:
+        pass  # an object store has no folders: a key's prefix exists once an object is under it
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False  # never picked by DCP itself: lit-dist hands it to a writer or reader
+
+    def exists(self, path) -> bool:
+        return self.retry(lambda: self.fs.exists(str(path)), "reading", self.url(path))
+
+    def rm_file(self, path) -> None:
+        self.retry(lambda: self.fs.rm(str(path)), "deleting", self.url(path))
+
+    def ls(self, path) -> list[str]:
+        return self.retry(lambda: self.fs.ls(str(path), detail=False), "reading", self.url(path))
+
+
+class RangedReader(io.RawIOBase):
+    """A seekable binary file read by ranges (``read_range(start, end)``), a block at a time: torch.load reads a
+    tensor's small zip headers, then its bytes, from what DCP hands it of a shard file."""
+
+    BLOCK = 8 << 20
+
+    def __init__(self, read_range: Callable[[int, int], bytes], size: int):
+        super().__init__()
+        self._read_range, self.size = read_range, size
+        self._pos, self._start, self._block = 0, 0, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self.size - self._pos)
+        if n <= 0:
+            return 0
+        if n > self.BLOCK:  # a tensor's bytes: one request, straight into place
+            view[:n] = self._read_range(self._pos, self._pos + n)
+        else:
+            if not (self._start <= self._pos and self._pos + n <= self._start + len(self._block)):
+                self._start = self._pos
+                self._block = self._read_range(self._pos, min(self.size, self._pos + self.BLOCK))
+            offset = self._pos - self._start
+            view[:n] = self._block[offset:offset + n]
+        self._pos += n
+        return n
+
+
+class ShardWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` (one file per rank) through a ``HashingFileSystem`` (fsynced in place), or a
+    ``StoreFileSystem`` (uploaded whole: nothing to fsync)."""
+
+    def __init__(self, path: str, store_fs: StoreFileSystem | None = None):
+        super().__init__(path, single_file_per_rank=True, sync_files=store_fs is None, overwrite=False)
+        self.fs = HashingFileSystem() if store_fs is None else store_fs
         self.path = self.fs.init_path(path)
 
     def files(self, root: str) -> dict[str, FileEntry]:
@@ -89,12 +208,13 @@ def split(checkpoint: dict) -> tuple[dict, dict]:
     return tensors, rest
 
 
-def write(tensors: dict, folder: str, group=None) -> dict[str, FileEntry]:
-    """Write ``tensors`` as a DCP checkpoint in ``folder`` (a collective of ``group``: every rank calls it);
-    this rank's files with their sizes and sha256, by path relative to ``folder``'s parent."""
+def write(tensors: dict, folder: str, group=None, store_fs: StoreFileSystem | None = None) -> dict[str, FileEntry]:
+    """Write ``tensors`` as a DCP checkpoint in ``folder`` (a collective of ``group``: every rank calls it), a local
+    path, or with ``store_fs`` a path on that object store; this rank's files with their sizes and sha256, by path
+    relative to ``folder``'s parent."""
     import torch.distributed.checkpoint as dcp
 
-    writer = ShardWriter(folder)
+    writer = ShardWriter(folder, store_fs)
     dcp.save(tensors, storage_writer=writer, process_group=group)
     return writer.files(os.path.dirname(folder.rstrip("/")))
 
@@ -104,3 +224,85 @@ def background_group(timeout_s: float):
     A collective: every rank calls it at the same point."""
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
+
+
+class ShardReader(FileSystemReader):
+    """DCP's reader whose ``.metadata`` goes through lit-dist's restricted unpickler (``pickles``): torch's
+    ``pickle.load`` would run whatever a crafted file names. ``store_fs``: read from an object store."""
+
+    def __init__(self, path: str, opt_in: str, trust: bool = False, store_fs: StoreFileSystem | None = None):
+        super().__init__(path)
+        if store_fs is not None:
+            self.fs, self.path = store_fs, store_fs.init_path(path)
+        self.opt_in, self.trust = opt_in, trust
+
+    def open(self, relative: str):
+        """One file of the checkpoint, by path relative to its folder (a context manager)."""
+        return self.fs.create_stream(self.fs.concat_path(self.path, relative), "rb")
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        from lit_dist.ckpt import pickles
+
+        where = self.fs.fs.unstrip_protocol(self.path) if isinstance(self.fs, StoreFileSystem) else str(self.path)
+        with self.open(".metadata") as f:
+            metadata = pickles.load_dcp_metadata(f, f"{where}/.metadata", self.opt_in, trust=self.trust)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def store_reader(location: str, checkpoint_io, opt_in: str, trust: bool = False) -> ShardReader | None:
+    """A reader of the sharded checkpoint at ``location`` when it is on an object store (its storage options and
+    outage deadline: lit-dist's ``AtomicCheckpointIO``'s); None for a local path."""
+    from lit_dist.ckpt.files import filesystem, is_local, through_outage
+
+    if "://" not in location or location.startswith("file://"):
+        return None
+    options = getattr(checkpoint_io, "storage_options", {})
+    fs, path = filesystem(location, options)
+    if is_local(fs):
+        return None
+    from lit_dist import outage
+
+    deadline = getattr(checkpoint_io, "outage_deadline_s", outage.DEADLINE_S)
+    who = getattr(checkpoint_io, "who", "")
+
+    def retry(operation, verb: str, what: str):
+        return through_outage(fs, operation, verb, what, deadline, who)
+
+    return ShardReader(path, opt_in, trust, StoreFileSystem(fs, retry))
+
+
+def saved_shapes(reader: ShardReader) -> dict:
+    """The module tensors' global shapes in the checkpoint (Lightning keeps the module under ``state_dict``)."""
+    entries = reader.read_metadata().state_dict_metadata
+    return {key.removeprefix("state_dict."): tuple(entry.size) if hasattr(entry, "size") else None
+            for key, entry in entries.items() if key.startswith("state_dict.")}
+
+
+def load(strategy, reader: ShardReader, load_meta: Callable[[str], dict]) -> dict:
+    """Lightning's load of a sharded checkpoint (``ModelParallelStrategy.load_checkpoint``) through ``reader``:
+    the module's and each optimizer's shards, resharded onto this run's ranks, then ``meta.pt`` through
+    ``load_meta(url)``, returned as Lightning's own load returns it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    module = strategy.lightning_module
+    state = {"state_dict": get_model_state_dict(module)}
+    dcp.load(state, storage_reader=reader)
+    module.load_state_dict(state["state_dict"], strict=module.strict_loading)
+    for i, optimizer in enumerate(strategy.optimizers):
+        key = f"optimizer_{i}"
+        state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp.load(state, storage_reader=reader)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state[key],
+                                 options=StateDictOptions(cpu_offload=True))
+    return load_meta(reader.fs.fs.unstrip_protocol(reader.fs.concat_path(reader.path, META)))

@@ -71,13 +71,19 @@ def wait_for(marker, proc):
     assert marker.exists(), f"the run never reached step 9:\n{proc.communicate()[1][-3000:]}"
 
 
+FSDP2 = ["--config", str(CONFIGS / "fsdp2.yaml"), "--trainer.devices", "2"]  # every rank uploads its shard file
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("strategy,async_save", [("single", False), ("single", True), ("fsdp2", True)],
+                         ids=["sync", "async", "fsdp2-async"])
 def test_a_short_outage_during_a_save_costs_its_length_and_the_checkpoints_are_complete(tmp_path, demo_data, proxied, s3,
-                                                                                        async_save):
+                                                                                        strategy, async_save):
     url, proxy = proxied
     marker, callbacks = before_the_save_at_step_10(tmp_path)
-    proc = start(tmp_path, demo_data, url, proxy, "run", "--checkpoint.async_save", str(async_save).lower(), *callbacks)
+    sharded = FSDP2 if strategy == "fsdp2" else []
+    proc = start(tmp_path, demo_data, url, proxy, "run", "--checkpoint.async_save", str(async_save).lower(), *sharded,
+                 *callbacks)
     wait_for(marker, proc)
     proxy.cut()
     output = Output(proc)
@@ -92,7 +98,7 @@ def test_a_short_outage_during_a_save_costs_its_length_and_the_checkpoints_are_c
         assert store.problem(name) is None, name  # every file there, with the size and sha256 of its manifest
     assert store.manifest(checkpoint_name(10))["step"] == 10
 
-    again = start(tmp_path, demo_data, url, proxy, "run", "--trainer.max_steps", "25")
+    again = start(tmp_path, demo_data, url, proxy, "run", "--trainer.max_steps", "25", *sharded)
     code, out, err = finish(again)
     assert code == 0, err[-3000:]
     assert f"resuming from {url}/run/{checkpoint_name(20)} (step 20)" in out + err
@@ -100,14 +106,16 @@ def test_a_short_outage_during_a_save_costs_its_length_and_the_checkpoints_are_c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("strategy,async_save", [("ddp", False), ("ddp", True), ("fsdp2", True)],
+                         ids=["sync", "async", "fsdp2-async"])
 def test_an_outage_past_its_deadline_during_a_save_stops_every_rank_with_exit_17(tmp_path, demo_data, proxied, s3,
-                                                                                 async_save):
+                                                                                 strategy, async_save):
     url, proxy = proxied
     marker, callbacks = before_the_save_at_step_10(tmp_path)
+    sharded = FSDP2 if strategy == "fsdp2" else ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
     proc = start(tmp_path, demo_data, url, proxy, "gone", "--checkpoint.outage_deadline_s", "5",
-                 "--checkpoint.async_save", str(async_save).lower(), "--trainer.devices", "2", "--trainer.strategy",
-                 "ddp", "--trainer.max_steps", "1000", *callbacks)
+                 "--checkpoint.async_save", str(async_save).lower(), *sharded, "--trainer.max_steps", "1000",
+                 *callbacks)
     wait_for(marker, proc)
     proxy.cut()
     started = time.monotonic()
