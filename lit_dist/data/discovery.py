@@ -75,6 +75,12 @@ def scan_folder(
             listing = _reuse(_list_images(fs, base.rstrip("/")), previous)
         except PermissionError as exc:  # wrong credentials, or a policy without listing: the user's fix
             raise permission_denied(root, exc) from exc
+        if not listing.names:  # a mistyped path lists nothing too: never an empty table that "worked"
+            from lit_dist.errors import DataError
+
+            what = (f"no images under {root} (files ending in {', '.join(IMAGE_EXTENSIONS)})"
+                    if fs.exists(base) else f"{root} does not exist")
+            raise DataError(f"{what}: give the folder that holds the images")
         return [listing.names[i] for i in listing.pending]
 
     # One listing, sent to every rank: listings taken by each rank could differ while files are being added.

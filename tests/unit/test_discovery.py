@@ -1,4 +1,5 @@
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -184,3 +185,16 @@ def test_a_damaged_cached_index_costs_a_rescan_not_the_run(tmp_path):
     cache.write_bytes(b"PAR1 torn by a crash")
     load_or_scan(str(tmp_path / "imgs"), str(cache), progress=False)
     assert pq.read_table(cache).equals(scan_folder(str(tmp_path / "imgs"), progress=False))
+
+
+@pytest.mark.parametrize("made", [False, True], ids=["missing", "empty"])
+def test_a_folder_without_images_is_a_data_error_not_an_empty_table(tmp_path, made):
+    from lit_dist.errors import DataError
+
+    root = tmp_path / "imgs"
+    if made:
+        root.mkdir()
+        (root / "notes.txt").write_text("no image here")
+    expected = f"no images under {root} (files ending in .jpg" if made else f"{root} does not exist"
+    with pytest.raises(DataError, match=r"^" + re.escape(expected)):
+        scan_folder(str(root))

@@ -19,7 +19,7 @@ from lit_dist.ckpt.saver import _described
 from lit_dist.ckpt.space import full_error, os_errors
 from lit_dist.ckpt.store import CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
-from tests.conftest import REPO, lit_dist, quickstart_args
+from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.small_fs import RUN, check_ended_full, mounter
 
 
@@ -57,10 +57,10 @@ def test_a_full_disk_ends_with_one_line_and_exit_16_and_the_run_resumes_on_a_big
 
 
 @pytest.mark.process
-def test_an_index_that_does_not_fit_ends_with_one_line_naming_it_and_exit_16(small_fs):
+def test_an_index_that_does_not_fit_ends_with_one_line_naming_it_and_exit_16(small_fs, demo_data):
     small = small_fs("small", 16)
-    (small / "filler").write_bytes(b"\0" * 12 * 1024)  # room for less than the index of 3,000 images
-    out = lit_dist("index", str(REPO / "data" / "shapes"), "--output", str(small / "metadata.parquet"), timeout=180)
+    (small / "filler").write_bytes(b"\0" * 12 * 1024)  # room for less than the index of the demo's images
+    out = lit_dist("index", str(demo_data.parent), "--output", str(small / "metadata.parquet"), timeout=180)
     assert out.returncode == ExitCode.STORAGE_FULL, out.stderr[-4000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
     assert len(errors) == 1 and re.fullmatch(
