@@ -3,11 +3,14 @@
 - stall: how long training stops for an asynchronous sharded save (each rank copies its shards aside, then
   writes them on a thread over a gloo group of its own) vs a synchronous one (target, issue 29: <= 0.15x). The
   asynchronous figure includes any wait for the previous write.
-- throughput per rank: a synchronous sharded save (every rank its shard file through torch.distributed.checkpoint,
-  sha256 while writing, fsync, the marker once all are in) vs a bare ``torch.save`` of the same rank's local
-  shards to the same disk (target >= 0.8x), and vs the same ``torch.save`` followed by ``fsync`` (on disk, as a
-  checkpoint's files must be: the bare one may end with its bytes still in the page cache). The ranks write at
-  the same time; each kind's time is the slower rank's (a save is complete when every rank's part is).
+- throughput per rank: a synchronous sharded save (the state taken from the model and optimizer, every rank its
+  shard file through torch.distributed.checkpoint, sha256 while writing, fsync, the marker once all are in) vs
+  what a hand-written save of the same shards does: take the same state (Lightning's ``dump_checkpoint``, as
+  lit-dist's save does) and ``torch.save`` the rank's local shards to the same disk (target >= 0.8x); also vs the
+  same ``torch.save`` followed by ``fsync`` (on disk, as a checkpoint's files must be: the bare one may end with
+  its bytes still in the page cache), and vs the ``torch.save`` alone (``throughput_ratio_write_only``: the state
+  already taken). The ranks write at the same time; each kind's time is the slower rank's (a save is complete
+  when every rank's part is).
 
 Saves alternate (sync, async, bare, bare + fsync) every ``--every`` steps of the same run, so all three see the same state
 size, page cache and disk; each starts after ``os.sync()`` and writes new files (nothing is deleted until the
@@ -48,6 +51,7 @@ class Measure(Callback):
         self.checkpointing, self.folder, self.every = checkpointing, folder, every
         self.kinds = list(KINDS) * repeats
         self.times = {kind: [] for kind in KINDS}
+        self.write_s = {kind: [] for kind in KINDS if kind.startswith("bare")}  # the torch.save alone
         self.bytes = {}
         self.step_s = {"after_async": [], "after_other": []}
         self._last_kind = None
@@ -81,13 +85,14 @@ class Measure(Callback):
             # A new file each time, kept to the end, as each checkpoint's are: rewriting a file just deleted reuses
             # its blocks and ran twice as fast here, which no checkpoint gets.
             path = os.path.join(self.folder, f"bare-step{trainer.global_step}-rank{rank}.pt")
-            start = time.perf_counter()
+            taken = time.perf_counter()
             with open(path, "wb") as f:
                 torch.save(shards, f)
                 if kind == "bare_fsync":  # on disk, as a checkpoint's files are before its marker
                     f.flush()
                     os.fsync(f.fileno())
             self.times[kind].append(time.perf_counter() - start)
+            self.write_s[kind].append(time.perf_counter() - taken)
             self.bytes[kind] = os.path.getsize(path)
         else:
             cb.saver(trainer).async_save = kind == "async"  # the writer's own switch: it is made once per run
@@ -100,7 +105,7 @@ class Measure(Callback):
 
     def on_train_end(self, trainer, pl_module):
         self.checkpointing.wait_for_save(trainer)
-        self.results = all_gather_object(trainer, (self.times, self.bytes, self.step_s))
+        self.results = all_gather_object(trainer, (self.times, self.bytes, self.step_s, self.write_s))
 
 
 def main() -> None:
@@ -140,13 +145,15 @@ def main() -> None:
     took = {kind: statistics.median(max(times[kind][i] for times, *_ in ranks) for i in range(len(ranks[0][0][kind])))
             for kind in KINDS}
     stall = {kind: took[kind] for kind in ("sync", "async")}
-    per_rank = {kind: statistics.mean(size["sync" if kind == "async" else kind] for _, size, _ in ranks) / took[kind]
+    per_rank = {kind: statistics.mean(size["sync" if kind == "async" else kind] for _, size, *_ in ranks) / took[kind]
                 for kind in ("sync", "bare", "bare_fsync")}  # bytes per second and rank
+    wrote = statistics.median(max(r[3]["bare"][i] for r in ranks) for i in range(len(ranks[0][3]["bare"])))
+    per_rank["bare_write"] = statistics.mean(size["bare"] for _, size, *_ in ranks) / wrote
 
     def ratio(baseline: str) -> float:
         return per_rank["sync"] / per_rank[baseline]
 
-    state_mb = sum(size["sync"] for _, size, _ in ranks) / 1e6
+    state_mb = sum(size["sync"] for _, size, *_ in ranks) / 1e6
     result = {
         "state_mb": round(state_mb, 1), "ranks": len(ranks),
         "sync_stall_s": round(stall["sync"], 3), "async_stall_s": round(stall["async"], 3),
@@ -156,6 +163,8 @@ def main() -> None:
         "bare_fsync_torch_save_mb_per_s_per_rank": round(per_rank["bare_fsync"] / 1e6, 1),
         "throughput_ratio": round(ratio("bare"), 3),
         "throughput_ratio_vs_fsynced": round(ratio("bare_fsync"), 3),
+        "bare_write_only_mb_per_s_per_rank": round(per_rank["bare_write"] / 1e6, 1),
+        "throughput_ratio_write_only": round(ratio("bare_write"), 3),
         "step_s_while_async_write": round(statistics.median(ranks[0][2]["after_async"]), 4),
         "step_s_otherwise": round(statistics.median(ranks[0][2]["after_other"]), 4),
         "all_times_s": [{k: [round(t, 3) for t in v] for k, v in times.items()} for times, *_ in ranks],
@@ -168,6 +177,7 @@ def main() -> None:
     result_line("sharded_checkpoint", result["stall_ratio"], "<= 0.15", met,
                 throughput_ratio=result["throughput_ratio"], throughput_target=">= 0.8",
                 throughput_ratio_vs_fsynced=result["throughput_ratio_vs_fsynced"],
+                throughput_ratio_write_only=result["throughput_ratio_write_only"],
                 **{k: result[k] for k in ("state_mb", "sync_stall_s", "async_stall_s")}, short=args.short)
 
 
