@@ -92,6 +92,7 @@ def run_bench(cmd: list[str], env: dict | None = None) -> dict:
         with contextlib.suppress(ProcessLookupError):  # the group is empty once every process ended
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        _wait_until_gone(proc.pid)
         raise RuntimeError(f"{' '.join(cmd)} hung for {COMMAND_TIMEOUT_S:.0f} s; its stacks:\n{stderr[-12000:]}") from None
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
@@ -99,6 +100,29 @@ def run_bench(cmd: list[str], env: dict | None = None) -> dict:
     if "first_step_at" in result:
         result["to_first_step_s"] = result["first_step_at"] - started
     return result
+
+
+def _wait_until_gone(group: int, timeout_s: float = 10.0) -> None:
+    """Wait (up to ``timeout_s``) until no live process is left in process group ``group``: a process that got
+    SIGKILL is still exiting for a moment after its pipes closed (zombies, waiting for their reaper, count as
+    gone)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        live = False
+        for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == group and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+                live = True
+                break
+        if not live:
+            return
+        time.sleep(0.05)
 
 
 def parse_bench(output: str) -> dict:
