@@ -183,12 +183,11 @@ def _saved_shapes(path: Path, weights_only: bool | None) -> tuple[dict | None, b
                 for key, value in state.get("state_dict", {}).items()}, False
     if not (path / ".metadata").is_file():
         return None, False
-    from torch.distributed.checkpoint import FileSystemReader
+    from lit_dist.ckpt import sharded
+    from lit_dist.ckpt.io import TRUST
 
-    # Read as torch reads it right after; the CLI has vetted its pickle (lit_dist.ckpt.pickles.vet_sharded).
-    entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {key.removeprefix("state_dict."): tuple(entry.size) if hasattr(entry, "size") else None
-            for key, entry in entries.items() if key.startswith("state_dict.")}, True  # Lightning's model entry
+    # The CLI has vetted its pickles (lit_dist.ckpt.pickles.vet_sharded): the restricted reader reads it the same.
+    return sharded.saved_shapes(sharded.ShardReader(str(path), TRUST, trust=weights_only is False)), True
 
 
 def _drop(keys: list[str]):

@@ -98,8 +98,8 @@ class StoreFileSystem(FileSystemBase):
         path = str(path)
         if "w" not in mode:
             size = self.retry(lambda: self.fs.size(path), "reading", self.url(path))
-            yield RangedReader(lambda start, end: self.retry(lambda: self.fs.cat_file(path, start=start, end=end),
-                                                             "reading", self.url(path)), size)
+            yield ranged(lambda start, end: self.retry(lambda: self.fs.cat_file(path, start=start, end=end),
+                                                       "reading", self.url(path)), size)
             return
         fd, staged = tempfile.mkstemp(prefix="lit-dist-shard-")
         try:
@@ -144,15 +144,12 @@ class StoreFileSystem(FileSystemBase):
 
 
 class RangedReader(io.RawIOBase):
-    """A seekable binary file read by ranges (``read_range(start, end)``), a block at a time: torch.load reads a
-    tensor's small zip headers, then its bytes, from what DCP hands it of a shard file."""
-
-    BLOCK = 8 << 20
+    """A seekable binary file whose every read is one ranged request (``read_range(start, end)``). Wrapped in
+    ``io.BufferedReader`` (``ranged``), torch.load's small reads of a tensor's zip headers come from one block."""
 
     def __init__(self, read_range: Callable[[int, int], bytes], size: int):
         super().__init__()
-        self._read_range, self.size = read_range, size
-        self._pos, self._start, self._block = 0, 0, b""
+        self._read_range, self.size, self._pos = read_range, size, 0
 
     def readable(self) -> bool:
         return True
@@ -169,20 +166,18 @@ class RangedReader(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self.size - self._pos)
+        n = min(len(buffer), self.size - self._pos)
         if n <= 0:
             return 0
-        if n > self.BLOCK:  # a tensor's bytes: one request, straight into place
-            view[:n] = self._read_range(self._pos, self._pos + n)
-        else:
-            if not (self._start <= self._pos and self._pos + n <= self._start + len(self._block)):
-                self._start = self._pos
-                self._block = self._read_range(self._pos, min(self.size, self._pos + self.BLOCK))
-            offset = self._pos - self._start
-            view[:n] = self._block[offset:offset + n]
+        memoryview(buffer).cast("B")[:n] = self._read_range(self._pos, self._pos + n)
         self._pos += n
         return n
+
+
+def ranged(read_range: Callable[[int, int], bytes], size: int, block: int = 8 << 20) -> io.BufferedReader:
+    """A buffered file over ``RangedReader``: reads under ``block`` bytes fetch a whole block, larger ones go
+    straight through."""
+    return io.BufferedReader(RangedReader(read_range, size), buffer_size=block)
 
 
 class ShardWriter(FileSystemWriter):
@@ -255,25 +250,18 @@ class ShardReader(FileSystemReader):
 
 
 def store_reader(location: str, checkpoint_io, opt_in: str, trust: bool = False) -> ShardReader | None:
-    """A reader of the sharded checkpoint at ``location`` when it is on an object store (its storage options and
-    outage deadline: lit-dist's ``AtomicCheckpointIO``'s); None for a local path."""
-    from lit_dist.ckpt.files import filesystem, is_local, through_outage
-
-    if "://" not in location or location.startswith("file://"):
-        return None
-    options = getattr(checkpoint_io, "storage_options", {})
-    fs, path = filesystem(location, options)
-    if is_local(fs):
-        return None
+    """A reader of the sharded checkpoint at ``location`` when it is on an object store, its requests retried as
+    the checkpoint store's (storage options, outage deadline: lit-dist's ``AtomicCheckpointIO``'s); None for a
+    local path."""
     from lit_dist import outage
+    from lit_dist.ckpt.store import CheckpointStore
 
-    deadline = getattr(checkpoint_io, "outage_deadline_s", outage.DEADLINE_S)
-    who = getattr(checkpoint_io, "who", "")
-
-    def retry(operation, verb: str, what: str):
-        return through_outage(fs, operation, verb, what, deadline, who)
-
-    return ShardReader(path, opt_in, trust, StoreFileSystem(fs, retry))
+    store = CheckpointStore(location, getattr(checkpoint_io, "storage_options", None),
+                            getattr(checkpoint_io, "outage_deadline_s", outage.DEADLINE_S))
+    if store.local:
+        return None
+    store.who = getattr(checkpoint_io, "who", "")
+    return ShardReader(store.root, opt_in, trust, StoreFileSystem(store.fs, store.remote))
 
 
 def saved_shapes(reader: ShardReader) -> dict:

@@ -25,6 +25,7 @@ import numpy as np
 from lit_dist import outage
 from lit_dist.data.unreadable import MISSING, BadImage, decode_errors, permission_denied
 from lit_dist.data.workers import context, ignore_stop_signals
+from lit_dist.errors import DataError
 
 if TYPE_CHECKING:
     from lit_dist.distributed import Comm
@@ -76,8 +77,6 @@ def scan_folder(
         except PermissionError as exc:  # wrong credentials, or a policy without listing: the user's fix
             raise permission_denied(root, exc) from exc
         if not listing.names:  # a mistyped path lists nothing too: never an empty table that "worked"
-            from lit_dist.errors import DataError
-
             what = (f"no images under {root} (files ending in {', '.join(IMAGE_EXTENSIONS)})"
                     if fs.exists(base) else f"{root} does not exist")
             raise DataError(f"{what}: give the folder that holds the images")
