@@ -24,7 +24,9 @@ resume from (the same choice as ``lit-dist export``).
 - Every RNG of every rank (torch, CUDA, numpy, Python) is saved and restored, with the model,
   optimizer, schedulers, loop counters and the data position, so a resumed run is the same run.
 - ``ckpt_path: auto`` (the CLI default) resumes from the newest checkpoint whose files match its
-  manifest; damaged ones are reported and skipped.
+  manifest; damaged ones are reported and skipped. With several ranks, each verifies its share of the
+  files; a damaged one found that way is marked in its manifest and the run stops with one line
+  (the next start passes over it), since Lightning holds the path to load by then.
 - On an object store, every upload, listing, marker and deletion waits out an outage of the store
   for up to ``outage_deadline_s``; past it, every rank ends with exit 17 ("retry later") and one line
   naming what it was doing.
@@ -45,7 +47,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -56,7 +58,7 @@ from lit_dist.ckpt.files import write_bytes_atomically
 from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.saver import Rotation, Saver
 from lit_dist.ckpt.state import rng_state, set_rng_state, start_rank_streams
-from lit_dist.ckpt.store import PROBE, STATE, CheckpointStore
+from lit_dist.ckpt.store import MARKER, PROBE, STATE, CheckpointStore
 from lit_dist.control import Agreed, Event, RunControl
 from lit_dist.distributed import all_gather_object
 from lit_dist.errors import CheckpointError, ConfigError
@@ -64,6 +66,17 @@ from lit_dist.outage import DEADLINE_S, StoreUnreachable
 from lit_dist.run import RUN_ID_ENV, process_age_s
 
 log = logging.getLogger(__name__)
+
+
+class _Seen(NamedTuple):
+    """What one rank reports of the checkpoint folder at the start (``Checkpointing._check_shared``)."""
+
+    rank: int
+    host: str
+    sees: bool  # it read the probe rank 0 wrote
+    unwritable: str | None  # rank 0: why it could not write there
+    url: str  # the folder this rank chose
+    lost: str | None  # the object store stayed away
 
 
 class Checkpointing(Checkpoint):
@@ -98,7 +111,7 @@ class Checkpointing(Checkpoint):
             mode: 'min' or 'max': which values of monitor are better.
             keep_best_k: Best checkpoints by monitor kept on top of the newest keep_last_n.
             async_save: Write checkpoints on a background thread after a quick copy of the state (DDP, single device, FSDP2).
-            verify_checksums: Check every file's sha256 against the manifest before resuming (not just its size).
+            verify_checksums: Check the files' sha256 against the manifest before resuming, not just their size (each rank its share).
             storage_options: fsspec options for a remote dirpath (endpoint_url, region...); credentials come from the environment.
             outage_deadline_s: Seconds to wait out an object store that does not answer (each upload, listing, deletion) before exit 17.
         """
@@ -137,6 +150,7 @@ class Checkpointing(Checkpoint):
         self._last_seen_step = -1
         self._rng: list | None = None
         self._control: RunControl | None = None
+        self._chosen: resume.Choice | None = None  # what resolve_ckpt_path chose, with this rank's findings
 
     def __repr__(self) -> str:
         return f"Checkpointing(dirpath={self.dirpath!r})"
@@ -198,9 +212,11 @@ class Checkpointing(Checkpoint):
         if ckpt_path is None:
             return None
         store = self.store(trainer) if trainer is not None else self._store
+        share = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         if ckpt_path != "auto":
-            return self._explicit(ckpt_path, store)
-        choice = resume.newest_usable(store, self.verify_checksums)
+            return self._explicit(ckpt_path, store, share)
+        choice = resume.newest_usable(store, self.verify_checksums, share)
+        self._chosen = choice
         for bad, problem in choice.skipped:
             rank_zero_warn(f"lit-dist: checkpoint {store.url_of(bad)} is unusable: {problem}; "
                            + (f"falling back to {choice.name}" if choice.name else "trying an older one"))
@@ -216,11 +232,12 @@ class Checkpointing(Checkpoint):
         rank_zero_info(f"lit-dist: resuming from {store.url_of(choice.name)} (step {store.manifest(choice.name).get('step')})")
         return choice.state
 
-    def _explicit(self, ckpt_path: str, own: CheckpointStore | None) -> str:
+    def _explicit(self, ckpt_path: str, own: CheckpointStore | None, share: tuple[int, int]) -> str:
         """A lit-dist checkpoint folder (or its state.ckpt) is verified first; anything else goes to Lightning as is."""
-        choice = resume.explicit(ckpt_path, self.storage_options, self.verify_checksums, self.outage_deadline_s)
+        choice = resume.explicit(ckpt_path, self.storage_options, self.verify_checksums, self.outage_deadline_s, share)
         if choice is None:
             return ckpt_path
+        self._chosen = choice
         if choice.name is None:
             raise CheckpointError(f"ckpt_path: {ckpt_path} is unusable: {choice.damaged[0][1]}. Pick another checkpoint, "
                                   "or ckpt_path: auto for the newest usable one.")
@@ -248,6 +265,8 @@ class Checkpointing(Checkpoint):
                            f"{type(trainer.strategy).__name__} saves synchronously")
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # a user's own CheckpointIO stays
             trainer.strategy.checkpoint_io = self._io
+        if trainer.world_size > 1:
+            self._agree_on_resume(trainer)
         if stage != "fit":
             return
         token = trainer.strategy.broadcast(uuid.uuid4().hex) if trainer.world_size > 1 else ""
@@ -294,9 +313,9 @@ class Checkpointing(Checkpoint):
             sees = False
         except StoreUnreachable as exc:
             sees, lost = False, str(exc)
-        reports = all_gather_object(trainer, (trainer.global_rank, socket.gethostname(), sees, self.resumed_from,
-                                              unwritable, store.url, lost))
-        if gone := next((report[6] for report in reports if report[6]), None):
+        reports = [_Seen(*report) for report in all_gather_object(
+            trainer, (trainer.global_rank, socket.gethostname(), sees, unwritable, store.url, lost))]
+        if gone := next((report.lost for report in reports if report.lost), None):
             raise StoreUnreachable(gone)
         if trainer.is_global_zero and not unwritable:
             try:
@@ -305,25 +324,48 @@ class Checkpointing(Checkpoint):
                 lost = str(exc)
         if gone := trainer.strategy.broadcast(lost if trainer.is_global_zero else None):
             raise StoreUnreachable(gone)
-        if problem := reports[0][4]:
+        if problem := reports[0].unwritable:
             raise ConfigError(f"checkpoint.dirpath: rank 0 cannot write to {store.url} ({problem})")
-        if len({report[5] for report in reports}) > 1:
+        if len({report.url for report in reports}) > 1:
             raise ConfigError(
                 "the processes of this run chose different run directories ("
-                + ", ".join(f"rank {r[0]}: {r[5]}" for r in reports[:4]) + (", ..." if len(reports) > 4 else "")
+                + ", ".join(f"rank {r.rank}: {r.url}" for r in reports[:4]) + (", ..." if len(reports) > 4 else "")
                 + "): give them all the same run.run_id (torchrun across machines: --rdzv-id=NAME; "
                 "DeepSpeed launcher: --run.run_id NAME)")
-        blind = [f"rank {rank} on {host}" for rank, host, seen, *_ in reports if not seen]
+        blind = [f"rank {r.rank} on {r.host}" for r in reports if not r.sees]
         if blind:
             raise ConfigError(
                 f"checkpoint.dirpath: {store.url} is not shared: {', '.join(blind)} cannot see the files rank 0 writes "
                 "there. Runs on several nodes need run.root_dir and checkpoint.dirpath on a shared filesystem (NFS, "
                 "Lustre) or an object store (checkpoint.dirpath: s3://bucket/prefix/{run_id}).")
-        sources = {report[3] for report in reports}
-        if len(sources) > 1:
+
+    def _agree_on_resume(self, trainer) -> None:
+        """Every rank resumes from the same checkpoint, and each verified only its share of the files before the
+        process group existed: a damaged file any rank found is marked in the manifest by rank 0, and every rank
+        stops with the same line (Lightning already holds the path it will load). The next start passes over it."""
+        chosen = self._chosen
+        found = chosen.share_problem if chosen is not None and chosen.name else None
+        reports = all_gather_object(trainer, (trainer.global_rank, socket.gethostname(), self.resumed_from, found))
+        if len({source for _, _, source, _ in reports}) > 1:
             raise CheckpointError("ranks would resume from different checkpoints ("
-                                  + ", ".join(f"rank {r[0]}: {r[3] or 'none'}" for r in reports)
-                                  + f"); the checkpoint folder {store.url} changed while the run started. Start it again.")
+                                  + ", ".join(f"rank {rank}: {source or 'none'}" for rank, _, source, _ in reports)
+                                  + f"); the checkpoint folder {self._store.url} changed while the run started. "
+                                  "Start it again.")
+        findings = [f"rank {rank} on {host} found {problem}" for rank, host, _, problem in reports if problem]
+        if not findings:
+            return
+        why = "; ".join(findings[:3]) + (f" (and {len(findings) - 3} more ranks)" if len(findings) > 3 else "")
+        failed = None
+        if trainer.is_global_zero:
+            try:  # caught: the other ranks wait for this outcome
+                chosen.store.mark_damaged(chosen.name, why)
+            except (OSError, StoreUnreachable) as exc:
+                failed = f"{type(exc).__name__}: {exc}"
+        failed = trainer.strategy.broadcast(failed)
+        then = (f"marking it damaged failed ({failed}): move it away before starting again" if failed else
+                f"it is now marked damaged in its {MARKER}: start the run again, and ckpt_path: auto resumes from "
+                "the checkpoint before it")
+        raise CheckpointError(f"checkpoint {chosen.store.url_of(chosen.name)} is damaged: {why}; {then}")
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.every_n_minutes and self._control is None:

@@ -8,6 +8,11 @@
   be lost, which needs a person (``Choice.problem``).
 - ``explicit(path)``: a checkpoint named by the user (a lit-dist checkpoint folder or its state file)
   is verified against its manifest; anything else (a plain Lightning file) is not lit-dist's to judge.
+- ``share=(rank, world)``: the ranks of a run pick the same checkpoint from its marker alone (finished,
+  readable, not marked damaged) and each reads only its share of the files, so that 1,024 ranks read a
+  checkpoint once, not 1,024 times. What a rank finds is ``Choice.share_problem``; the run agrees on the
+  findings once the process group exists (``lit_dist.callbacks.checkpoint``), marks a damaged checkpoint
+  and stops, and its next start passes over it.
 """
 
 from dataclasses import dataclass, field
@@ -24,6 +29,7 @@ class Choice:
     name: str | None  # the newest usable checkpoint, or None
     skipped: list[tuple[str, str]] = field(default_factory=list)  # newer ones passed over, (name, why)
     damaged: list[tuple[str, str]] = field(default_factory=list)  # of those, the complete ones
+    share_problem: str | None = None  # what this rank found in its share of ``name``'s files (``share``)
 
     @property
     def state(self) -> str | None:
@@ -42,15 +48,24 @@ class Choice:
                 + "; ".join(f"{n}: {p}" for n, p in self.damaged) + ")")
 
 
-def newest_usable(store: CheckpointStore, verify_checksums: bool = True) -> Choice:
+def newest_usable(store: CheckpointStore, verify_checksums: bool = True, share: tuple[int, int] = (0, 1)) -> Choice:
     """The newest checkpoint of ``store`` whose files match its manifest (see the module docstring)."""
-    name, skipped = store.find_valid(verify_checksums)
+    if share[1] > 1:
+        skipped = []
+        for name in store.names():
+            if problem := store.unusable(name):
+                skipped.append((name, problem))
+                continue
+            return Choice(store, name, skipped, share_problem=store.files_problem(name, verify_checksums, share))
+        name = None
+    else:
+        name, skipped = store.find_valid(verify_checksums)
     complete = set(store.complete()) if name is None and skipped else set()
     return Choice(store, name, skipped, [(n, p) for n, p in skipped if n in complete])
 
 
 def explicit(path: str, storage_options: dict | None = None, verify_checksums: bool = True,
-             outage_deadline_s: float = outage.DEADLINE_S) -> Choice | None:
+             outage_deadline_s: float = outage.DEADLINE_S, share: tuple[int, int] = (0, 1)) -> Choice | None:
     """A lit-dist checkpoint folder named by the user (or its ``state.ckpt``), verified; None when ``path``
     is not a lit-dist checkpoint folder. ``Choice.damaged`` names its problem when it is unusable."""
     path = path.rstrip("/")
@@ -59,5 +74,9 @@ def explicit(path: str, storage_options: dict | None = None, verify_checksums: b
     store = CheckpointStore(parent or ".", storage_options, outage_deadline_s)
     if not store.remote(lambda: store.fs.exists(store.path(name, MARKER)), "reading", f"checkpoint {folder}"):
         return None
-    problem = store.problem(name, verify_checksums)
-    return Choice(store, None, [(name, problem)], [(name, problem)]) if problem else Choice(store, name)
+    if problem := store.unusable(name):
+        return Choice(store, None, [(name, problem)], [(name, problem)])
+    problem = store.files_problem(name, verify_checksums, share)
+    if problem and share[1] == 1:
+        return Choice(store, None, [(name, problem)], [(name, problem)])
+    return Choice(store, name, share_problem=problem)

@@ -16,6 +16,7 @@ a marker read, a deletion) is retried on its own through an outage of the store,
 names what was being done.
 """
 
+import heapq
 import json
 import logging
 import os
@@ -53,6 +54,22 @@ T = TypeVar("T")
 
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:09d}"
+
+
+def share_of(sizes: dict[str, int], rank: int, world: int) -> list[str]:
+    """The files rank ``rank`` of ``world`` verifies: the biggest first, each to the rank with the fewest bytes so
+    far (ties to the lowest rank). Every rank computes the same split from the same manifest, and together they
+    read the checkpoint once instead of ``world`` times."""
+    if world <= 1:
+        return list(sizes)
+    load = [(0, r) for r in range(world)]  # a heap of (bytes so far, rank)
+    mine = []
+    for rel in sorted(sizes, key=lambda rel: (-sizes[rel], rel)):
+        taken, owner = heapq.heappop(load)
+        if owner == rank:
+            mine.append(rel)
+        heapq.heappush(load, (taken + sizes[rel], owner))
+    return mine
 
 
 class CheckpointStore:
@@ -176,18 +193,32 @@ class CheckpointStore:
             self._manifests[name] = json.loads(self.remote(read, "reading", f"checkpoint {self.url_of(name)}"))
         return self._manifests[name]
 
-    def problem(self, name: str, verify_checksums: bool = True) -> str | None:
-        """Why checkpoint ``name`` cannot be used, or None if its files match its manifest."""
+    def problem(self, name: str, verify_checksums: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
+        """Why checkpoint ``name`` cannot be used, or None if its files match its manifest. With ``share=(rank,
+        world)`` only that rank's share of the files is read (``share_of``): the ranks of a run split the work."""
+        return self.unusable(name) or self.files_problem(name, verify_checksums, share)
+
+    def unusable(self, name: str) -> str | None:
+        """What every rank sees alike, from the marker alone: not finished, unreadable, or marked damaged."""
         self._manifests.pop(name, None)  # read what is on disk now
         if not self.local:
             self.fs.invalidate_cache()
         try:
             manifest = self.manifest(name)
-            files = {rel: FileEntry(**entry) for rel, entry in manifest["files"].items()}
+            for entry in manifest["files"].values():
+                FileEntry(**entry)
         except FileNotFoundError:
             return f"no {MARKER} (the save did not finish)"
         except (ValueError, KeyError, TypeError) as exc:
             return f"its {MARKER} is unreadable ({exc})"
+        if damaged := manifest.get("damaged"):
+            return f"marked damaged: {damaged}"
+        return None
+
+    def files_problem(self, name: str, verify_checksums: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
+        """Whether this rank's share of checkpoint ``name``'s files has the size (and sha256) of its manifest."""
+        files = {rel: FileEntry(**entry) for rel, entry in self.manifest(name)["files"].items()}
+        files = {rel: files[rel] for rel in share_of({rel: entry.size for rel, entry in files.items()}, *share)}
         reading = f"checkpoint {self.url_of(name)}"
         for rel, expected in files.items():
             path = self.path(name, rel)
@@ -197,8 +228,8 @@ class CheckpointStore:
                 return f"{rel} is missing"
             if size != expected.size:
                 return f"{rel} has {size} bytes, the manifest says {expected.size} (truncated or overwritten)"
-        if verify_checksums:
-            with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:  # hashlib releases the GIL
+        if verify_checksums and files:
+            with ThreadPoolExecutor(max_workers=min(4, len(files))) as pool:  # hashlib releases the GIL
                 hashed = pool.map(lambda rel: self.remote(lambda: hash_file(self.fs, self.path(name, rel)), "reading", reading),
                                   files)
                 actual = dict(zip(files, hashed, strict=True))
@@ -206,6 +237,13 @@ class CheckpointStore:
                 if actual[rel].sha256 != expected.sha256:
                     return f"{rel} does not match its sha256 (corrupted)"
         return None
+
+    def mark_damaged(self, name: str, why: str) -> None:
+        """Record in the marker of complete checkpoint ``name`` that it is damaged: every later look skips it
+        without reading its files (the ranks of a run that found it each verified only their share)."""
+        manifest = dict(self.manifest(name), damaged=why)
+        self.remote(lambda: self._write_marker(self.path(name), manifest), "saving",
+                    f"{self.url_of(name)} (its {MARKER}, marked damaged)")
 
     def find_valid(self, verify_checksums: bool = True) -> tuple[str | None, list[tuple[str, str]]]:
         """(the newest usable checkpoint or None, [(name, problem)] of the newer ones that were skipped)."""

@@ -6,11 +6,12 @@ import hashlib
 import json
 import re
 import shutil
+import socket
 
 import pytest
 import torch
 
-from lit_dist.ckpt.store import MARKER, STATE, checkpoint_name
+from lit_dist.ckpt.store import MARKER, STATE, checkpoint_name, share_of
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 from tests.helpers.processes import left_after
 
@@ -24,7 +25,7 @@ def sha256(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def fit(tmp_path, demo_data, run_id: str, devices: int, max_steps: int, *extra: str):
+def fit(tmp_path, demo_data, run_id: str, devices: int, max_steps: int, *extra: str, code: int = 0):
     args = quickstart_args(tmp_path, demo_data, CONFIGS / "fsdp2.yaml", run__run_id=run_id, trainer__devices=devices,
                            trainer__max_steps=max_steps, data__batch_size_per_device=8, data__num_workers=0,
                            trainer__limit_val_batches=0, trainer__num_sanity_val_steps=0,
@@ -32,7 +33,7 @@ def fit(tmp_path, demo_data, run_id: str, devices: int, max_steps: int, *extra: 
                            checkpoint__every_n_steps=3, checkpoint__async_save=True)
     out = lit_dist("fit", *args, f"--trainer.callbacks+={RECORD}.RowRecorder", "--trainer.callbacks.tag", run_id,
                    *extra, timeout=300)
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.returncode == code, out.stderr[-4000:]
     assert not left_after(out.pid, 10.0)
     return tmp_path / "quickstart" / run_id, out
 
@@ -75,3 +76,25 @@ def test_an_async_sharded_save_resumes_on_three_processes_and_on_one(tmp_path, d
         assert waiting, out.stderr[-3000:]
         assert len(epoch0) + int(waiting.group(1)) == epoch_size, f"2 -> {devices}: samples of the epoch skipped"
         assert (run_dir / "checkpoints" / "latest").exists(), "the resumed run saves too"
+
+
+def test_each_rank_verifies_its_share_and_a_damaged_shard_is_marked_then_passed_over(tmp_path, demo_data):
+    run_dir, _ = fit(tmp_path, demo_data, "share", 2, 6)  # saves at steps 3 and 6
+    newest = run_dir / "checkpoints" / checkpoint_name(6)
+    files = json.loads((newest / MARKER).read_text())["files"]
+    theirs = share_of({rel: entry["size"] for rel, entry in files.items()}, 1, 2)
+    assert theirs and set(theirs) != set(files), "rank 1 verifies some files, not all"
+    damaged = newest / theirs[0]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only rank 1's sha256 sees it
+    damaged.write_bytes(bytes(data))
+
+    _, out = fit(tmp_path, demo_data, "share", 2, 9, code=1)
+    line = (f"checkpoint {newest} is damaged: rank 1 on {socket.gethostname()} found {theirs[0]} does not match its "
+            f"sha256 (corrupted); it is now marked damaged in its {MARKER}")
+    assert line in out.stderr and "Traceback" not in out.stderr, out.stderr[-4000:]
+    assert f"rank 1 on {socket.gethostname()} found {theirs[0]}" in json.loads((newest / MARKER).read_text())["damaged"]
+
+    _, out = fit(tmp_path, demo_data, "share", 2, 9)
+    assert f"{checkpoint_name(6)} is unusable: marked damaged: rank 1" in out.stderr, out.stderr[-4000:]
+    assert f"resuming from {run_dir / 'checkpoints' / checkpoint_name(3)}" in out.stderr

@@ -9,8 +9,9 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from lit_dist.callbacks.checkpoint import Checkpointing
+from lit_dist.ckpt import resume
 from lit_dist.ckpt.files import filesystem, write_atomically
-from lit_dist.ckpt.store import LATEST, MARKER, STATE, CheckpointStore, checkpoint_name
+from lit_dist.ckpt.store import LATEST, MARKER, STATE, CheckpointStore, checkpoint_name, share_of
 from lit_dist.control import RunControl
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import CheckpointError, ConfigError, DataError
@@ -108,6 +109,38 @@ def test_no_usable_checkpoint_is_an_error_and_an_explicit_damaged_one_too(tmp_pa
     callback._store = store
     with pytest.raises(CheckpointError, match="none is usable"):
         callback.resolve_ckpt_path(None, "auto")
+
+
+def test_the_ranks_split_the_files_to_verify_once_between_them():
+    sizes = {f"shard-{i}": size for i, size in enumerate([900, 800, 500, 400, 400, 300, 100, 10, 0])}
+    for world in (1, 2, 3, 8, 16):
+        shares = [share_of(sizes, rank, world) for rank in range(world)]
+        flat = [rel for share in shares for rel in share]
+        assert sorted(flat) == sorted(sizes), f"world {world}: every file once, by exactly one rank"
+        loads = [sum(sizes[rel] for rel in share) for share in shares]
+        assert max(loads) - min(loads) <= max(sizes.values()), f"world {world}: {loads}"
+    assert share_of(sizes, 0, 2) == ["shard-0", "shard-3", "shard-4", "shard-7"]  # 1,710 bytes, rank 1 1,700
+
+
+def test_a_rank_reads_only_its_share_and_a_marked_checkpoint_is_passed_over(tmp_path, recwarn):
+    store = CheckpointStore(str(tmp_path))
+    fake_checkpoints(store, [(10, None), (20, None)])
+    name = checkpoint_name(20)
+    damage(tmp_path / name / STATE, "flip")
+    owner = next(rank for rank in range(3) if share_of({STATE: 100}, rank, 3))
+    for rank in range(3):  # one file: one rank reads it, the others find nothing and choose the same checkpoint
+        choice = resume.newest_usable(store, share=(rank, 3))
+        assert choice.name == name
+        assert (choice.share_problem is not None) == (rank == owner), rank
+    assert "does not match its sha256" in resume.newest_usable(store, share=(owner, 3)).share_problem
+
+    store.mark_damaged(name, "rank 0 on node7 found state.ckpt does not match its sha256 (corrupted)")
+    assert store.problem(name) == "marked damaged: rank 0 on node7 found state.ckpt does not match its sha256 (corrupted)"
+    assert resume.newest_usable(store, share=(1, 3)).name == checkpoint_name(10), "no rank picks it again"
+    callback = Checkpointing(dirpath=str(tmp_path))
+    callback._store = store
+    assert callback.resolve_ckpt_path(None, "auto") == str(tmp_path / checkpoint_name(10) / STATE)
+    assert f"{name} is unusable: marked damaged: rank 0 on node7" in " ".join(str(w.message) for w in recwarn)
 
 
 def test_a_first_save_cut_off_before_its_marker_means_starting_over(tmp_path):
