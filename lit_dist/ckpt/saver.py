@@ -217,7 +217,7 @@ class Saver:
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
                 error = exc
         files, error = self._files(trainer, name, target, whole_on_rank_zero, began, error)
-        if trainer.is_global_zero and error is None:
+        if trainer.is_global_zero and error is None and files is not None:  # None: another rank failed
             try:
                 self._finish(name, files, info, started)
             except Exception as exc:  # noqa: BLE001 - agreed on, then raised (see _raise)
@@ -225,9 +225,10 @@ class Saver:
         self._agree_saved(trainer, name, error)
 
     def _files(self, trainer, name: str, target: str, whole_on_rank_zero: bool, began: bool,
-               error: BaseException | None) -> tuple[dict[str, FileEntry], BaseException | None]:
+               error: BaseException | None) -> tuple[dict[str, FileEntry] | None, BaseException | None]:
         """Every file of the checkpoint with its size and sha256, on rank 0 (collective for sharded strategies
-        when ``began``), and this rank's error so far (a file that cannot be hashed is one)."""
+        when ``began``), and this rank's error so far (a file that cannot be hashed is one). Files are None when
+        any rank failed: rank 0 must not finish a checkpoint with another rank's part missing."""
         written = self.io.written.pop(target, None)
         files = {STATE: written} if written else {}
         store = self.store
@@ -241,7 +242,7 @@ class Saver:
                     error = exc
             return files, error
         if not began:  # agreed: no rank wrote anything
-            return {}, error
+            return None, error
         # Sharded: the strategy wrote files through its own code. Each rank lists the folder (its own files
         # are surely there), then hashes and fsyncs a share of them, unless a rank failed: every rank sees that
         # in the same gathered list, so all skip the second gather together.
@@ -249,7 +250,7 @@ class Saver:
         listing = [os.path.relpath(os.path.join(folder, f), staging) for folder, _, names in os.walk(staging) for f in names]
         everyone = all_gather_object(trainer, (listing, files, error is not None))
         if any(failed for *_, failed in everyone):
-            return {}, error
+            return None, error
         known = {rel: entry for _, theirs, _ in everyone for rel, entry in theirs.items()}
         todo = sorted({rel for seen, *_ in everyone for rel in seen} - set(known) - {MARKER})
         mine = {}
@@ -258,7 +259,10 @@ class Saver:
                 mine[rel] = hash_file(store.fs, os.path.join(staging, rel), fsync=True)
         except OSError as exc:
             error = exc
-        for part in all_gather_object(trainer, mine):
+        hashed = all_gather_object(trainer, (mine, error is not None))
+        if any(failed for _, failed in hashed):  # a share left unhashed: its files would be missing from the manifest
+            return None, error
+        for part, _ in hashed:
             known.update(part)
         return known, error
 

@@ -181,3 +181,15 @@ def test_bf16_weights_get_bf16_images_in_training_and_validation(tmp_path, demo_
     assert out.returncode == 0, out.stderr[-4000:]
     assert "val/acc" in out.stdout + out.stderr
     assert {v.dtype for v in weights(run_dir).values()} <= {torch.float32, torch.int64}, "exported in float32"
+
+
+def test_a_save_that_fails_on_one_rank_leaves_no_checkpoint_that_passes_for_complete(tmp_path, demo_data):
+    # Rank 1's part of the save fails after the strategy's own save went through on both ranks: rank 0 alone
+    # saw nothing wrong, and must not finish the checkpoint without rank 1's part (a marker listing no files).
+    out, run_dir = fit(tmp_path, demo_data, "zero1", "failing",
+                       "--trainer.callbacks+=tests.helpers.recorder.FailSaveOnRank")
+    assert out.returncode == 1, out.stderr[-4000:]
+    assert "injected: rank 1 could not write its part" in out.stderr and "Traceback" not in out.stderr, out.stderr[-4000:]
+    checkpoints = run_dir / "checkpoints"
+    assert not list(checkpoints.glob(f"*/{MARKER}")), "a checkpoint without rank 1's part passes for complete"
+    assert not list(checkpoints.glob("step-*")), "the failed save's folder is removed"

@@ -56,6 +56,26 @@ class StopAtStep(Callback):
             trainer.should_stop = True
 
 
+class FailSaveOnRank(Callback):
+    """Rank ``rank``'s part of every checkpoint save raises ``OSError`` inside the strategy's own save, the others'
+    succeed: what a node whose disk (or mount) went bad does to a sharded save."""
+
+    def __init__(self, rank: int = 1):
+        self.rank = rank
+
+    def setup(self, trainer, pl_module, stage):
+        if trainer.global_rank != self.rank:
+            return
+        strategy = trainer.strategy
+        real = strategy.save_checkpoint
+
+        def failing(checkpoint, filepath, *args, **kwargs):
+            real(checkpoint, filepath, *args, **kwargs)  # the strategy's collectives run on every rank alike
+            raise OSError(f"injected: rank {self.rank} could not write its part of {filepath}")
+
+        strategy.save_checkpoint = failing
+
+
 class SignalAtStep(Callback):
     """Sends ``signal`` to this process after optimizer step ``step``, as Slurm or Kubernetes would."""
 

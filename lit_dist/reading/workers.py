@@ -1,0 +1,217 @@
+"""How worker processes start: fork where the interpreter forks safely, a fork server where it can deadlock.
+
+Python 3.10 before 3.10.15 and 3.11 before 3.11.10 (CPython gh-112275; 3.12 has its own fix): a
+process forked while another thread of its parent is creating a Python thread state inherits the
+interpreter's thread-list lock held, and waits for it forever inside ``os.fork``. PyTorch's collective
+threads (gloo's run loop, NCCL's watchdog) create one every time they drop a tensor that has a Python
+object, which is just when a collective completes. A DataLoader that forks its workers right after a
+collective (Lightning's sanity check, the start of training) then hangs in its first ``next()``:
+measured here, one 2-process DDP start in about ten on 2 cores (the child's native stack:
+``PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept -> PyThread_acquire_lock``).
+
+``forkserver`` sidesteps it: the training process starts one server process with fork-and-exec (no
+Python runs between the two), and every worker is forked from that single-threaded server. The cost:
+each worker receives its dataset by pickle (a split's rows, not the whole table: see
+``BucketImageDataset.__getstate__``) instead of sharing the parent's memory, and the server imports
+what workers need once per rank (torch, Lightning, lit-dist: about 3 s of CPU). ``lit-dist`` starts it
+first thing (``start_for_command``) so that this runs beside its own import of the same modules; a data module
+made otherwise starts it when it is made. As with
+any start method but fork, a script that calls ``fit`` itself needs ``if __name__ == "__main__":``
+(``lit-dist fit`` has it).
+
+Stop signals. Slurm signals every process of a job step (``--signal=USR1@120``, and SIGTERM when it
+preempts or cancels), not only the training process. A worker, the fork server or multiprocessing's
+resource tracker that died of it would take the run down with it: a worker killed while sending a batch
+larger than a pipe's buffer leaves the training process waiting for the rest for ever (the pipe's write
+end is still open in it), so it never reaches the step boundary where it would save. Only the training
+process acts on them (an agreed save, then exit 11); the helpers ignore them and stop when it tells them
+to or when it is gone (PyTorch's workers watch their parent).
+"""
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+from typing import Literal
+
+Start = Literal["auto", "fork", "forkserver", "spawn"]
+START_METHODS = ("auto", "fork", "forkserver", "spawn")
+
+# Modules every worker needs, imported once by the fork server instead of once per worker: Lightning's
+# worker seeding function, and lit_dist.cli because each worker re-runs the `lit-dist` script (its
+# __main__), which would otherwise import Lightning's CLI in every worker.
+# What "stop soon" is to lit-dist by default: Slurm's warning before a time limit or preemption, and the
+# SIGTERM of a preemption, scancel or Kubernetes.
+STOP_SIGNALS = ("SIGUSR1", "SIGTERM")
+
+_reading: str | None = None  # the file this worker reads now (``reading``): a hang dump says it
+
+_PRELOAD = ["lit_dist.orphan_guard", "torch", "lightning.fabric.utilities.seed", "lit_dist.cli", "lit_dist.data.dataset", "lit_dist.cache.build"]
+
+
+def fork_is_safe(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
+    """Whether this Python forks a multi-threaded process without the gh-112275 deadlock."""
+    if version[:2] == (3, 10):
+        return version >= (3, 10, 15)
+    if version[:2] == (3, 11):
+        return version >= (3, 11, 10)
+    return version >= (3, 12)
+
+
+def method(start: Start = "auto") -> str:
+    """The start method ``start`` means on this machine: auto is fork where it is safe, else forkserver."""
+    if start == "auto":
+        return "fork" if fork_is_safe() else "forkserver"
+    return start
+
+
+def context(start: Start = "auto") -> multiprocessing.context.BaseContext:
+    """A multiprocessing context for worker processes (DataLoader workers, process pools)."""
+    chosen = method(start)
+    ctx = multiprocessing.get_context(chosen)
+    if chosen == "forkserver":
+        # Only takes effect before this process's server starts; later calls change nothing.
+        ctx.set_forkserver_preload(_PRELOAD)
+        _start_server()
+    return ctx
+
+
+def start_early(start: Start = "auto") -> None:
+    """Start this process's fork server now (if workers will use one): its imports then overlap other work."""
+    context(start)
+
+
+# The commands whose data module may start loader workers.
+LOADER_COMMANDS = ("fit", "validate", "test", "predict", "cache")
+
+
+def start_for_command(argv: list[str]) -> bool:
+    """At the very start of ``lit-dist`` (before Lightning's 4-second import): start the fork server now if this
+    command will want one, so that its own import of the same modules runs beside ours instead of after them
+    (a 2-step quickstart: 10.8 s -> 7.1 s on 2 cores). Whether it will is guessed from the command line and its
+    ``--config`` files; a wrong guess costs only time (an idle server, or the start at the data module as
+    before). True if it started one."""
+    if not argv or argv[0] not in LOADER_COMMANDS:
+        return False
+    try:
+        workers, start = _workers_asked(argv[1:])
+    except Exception:  # noqa: BLE001 - a config the real parse will report; the guess says nothing of it
+        return False
+    if workers == 0 or method(start) != "forkserver":
+        return False
+    start_early(start)
+    return True
+
+
+def _workers_asked(args: list[str]) -> tuple[int | None, str]:
+    """``data.num_workers`` (None: not given, BucketDataModule's default, which starts workers) and
+    ``data.worker_start`` from ``--config`` files and options, later ones winning as in the real parse; 0 workers
+    for a data module other than BucketDataModule (the benchmarks' in-memory data)."""
+    workers, start = None, "auto"
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if key == "--config":
+            import yaml
+
+            with open(value) as f:
+                data = (yaml.safe_load(f) or {}).get("data")
+            if isinstance(data, dict):
+                other = "BucketDataModule" not in data.get("class_path", "BucketDataModule")
+                data = data.get("init_args", data)
+                workers = 0 if other else data.get("num_workers", workers)
+                start = data.get("worker_start", start)
+        elif key == "--data" and not value.endswith(("BucketDataModule", ".yaml", ".yml")):
+            workers = 0
+        elif key == "--data.num_workers":
+            workers = int(value)
+        elif key == "--data.worker_start":
+            start = value
+    return workers, start
+
+
+def ignore_stop_signals(*_) -> None:
+    """In a helper process (loader worker, pool worker): leave the stop signals to the training process, and
+    end when its parent ends (a worker blocked in a read would never notice). Takes and ignores a worker id,
+    to serve as a ``worker_init_fn`` or a pool's initializer."""
+    from lit_dist.processes import die_with_parent
+
+    die_with_parent()
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+class QuietWorkerInit:
+    """A DataLoader ``worker_init_fn``: ignore the stop signals (after PyTorch set its own SIGTERM handler in
+    the worker, which would end it), then run ``inner`` (Lightning's worker seeding, say)."""
+
+    def __init__(self, inner=None):
+        from lit_dist.last_resort import WORKER_DUMPS_ENV
+
+        self.inner = inner
+        self.dumps = os.environ.get(WORKER_DUMPS_ENV)  # read in the rank, carried to the worker by pickle
+
+    def __call__(self, worker_id: int) -> None:
+        ignore_stop_signals()
+        if self.dumps:  # the rank's hang watchdog asks for this worker's stacks when it dumps its own
+            _dump_on_request(f"{self.dumps}-worker-pid-{os.getpid()}.txt")
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+@contextlib.contextmanager
+def reading(path: str):
+    """Note ``path`` as the file this process reads until the block ends (a module variable: no I/O)."""
+    global _reading
+    _reading = path
+    try:
+        yield
+    finally:
+        _reading = None
+
+
+def _dump_on_request(path: str) -> None:
+    """Stacks from C at once (also while blocked), then the file being read, once a blocked system call is
+    interrupted by the signal and Python runs its handler (a read stuck in the kernel's uninterruptible wait
+    gives the stacks only)."""
+    from lit_dist.last_resort import DUMP_SIGNAL, dump_on_request
+
+    def say_reading(signum, frame):
+        with open(path, "a") as f:
+            f.write(f"\nreading: {_reading or 'no file'}\n")
+
+    signal.signal(DUMP_SIGNAL, say_reading)
+    dump_on_request(path)  # chained: faulthandler's dump first, then say_reading
+
+
+def _start_server() -> None:
+    """Start the fork server (and multiprocessing's resource tracker with it) if it is not running, with the
+    stop signals blocked: the mask is inherited through fork and exec, so neither process, nor any worker
+    forked from the server, is stopped by them. In this process they are only deferred, never lost."""
+    from multiprocessing import forkserver, resource_tracker
+
+    from lit_dist.orphan_guard import SERVER_ENV
+
+    # The tracker first: starting it, multiprocessing unblocks SIGTERM again (it blocks SIGINT and SIGTERM
+    # around its own spawn), which would leave the server without that block.
+    with _stop_signals_blocked():
+        resource_tracker.ensure_running()
+    os.environ[SERVER_ENV] = str(os.getpid())  # the server's import of orphan_guard ties it to this process
+    try:
+        with _stop_signals_blocked():
+            forkserver.ensure_running()
+    finally:
+        del os.environ[SERVER_ENV]
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked():
+    # The mask is this thread's: other threads (and so the process) still take the signals meanwhile.
+    numbers = {getattr(signal, name) for name in STOP_SIGNALS}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
