@@ -17,7 +17,8 @@ is handed the run's ``RunControl`` once (``connect(control)``, at setup) and the
   1. save a checkpoint if a save or a stop asked for one (and a saver is connected),
   2. the stop's ``announce`` (e.g. rank 0 requeues the Slurm job and publishes ``run.preempted``),
   3. flush the events, wait for every rank, and raise the stop's error (its exit code ends the run).
-  Several stops at one step: the most severe wins (GPU fault, then data error, then preemption).
+  Several stops at one step: the most severe wins (``STOP_PRIORITY``: GPU fault, data error, failure, storage
+  full, straggler, then preemption).
 - **Events.** ``publish(event)`` hands an event to every subscriber (the webhook notifier, the
   console) at once; it never blocks. Run-level events (``run.started``, ``run.progress``,
   ``validation.finished``, ``run.finished``, ``run.failed``) are published by the owner from rank 0.
@@ -47,13 +48,14 @@ log = logging.getLogger(__name__)
 
 Reduce = Literal["max", "sum"]
 # Which stop wins when several are asked for at one step: the more severe first.
-STOP_PRIORITY = (ExitCode.GPU_FAULT, ExitCode.DATA_ERROR, ExitCode.FAILURE, ExitCode.STRAGGLER,
+# A full disk before a preemption: the preempted run's save and requeue would meet the same full disk.
+STOP_PRIORITY = (ExitCode.GPU_FAULT, ExitCode.DATA_ERROR, ExitCode.FAILURE, ExitCode.STORAGE_FULL, ExitCode.STRAGGLER,
                  ExitCode.PREEMPTED)
 
 
 @dataclass(frozen=True)
 class Event:
-    """One run event (README, "Event schema"); sinks add run id, host, rank and time."""
+    """One run event (docs/webhooks.md, "Event schema"); sinks add run id, host, rank and time."""
 
     type: str
     severity: Literal["info", "warning", "error", "critical"]

@@ -129,3 +129,15 @@ def test_bad_settings_are_named():
         model = LitModel(SimpleCNN(num_classes=2), optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
         Trainer(max_steps=2, logger=False, enable_progress_bar=False, enable_checkpointing=False,
                 callbacks=[Preemption()]).fit(model, torch.utils.data.DataLoader(Data(), batch_size=4))
+
+
+def test_a_full_disk_beats_a_preemption_and_every_stop_has_its_place():
+    from lit_dist.control import STOP_PRIORITY
+    from lit_dist.errors import ExitCode, StorageFull
+
+    journal = []
+    with pytest.raises(StorageFull):  # a preempted run's save and requeue would meet the same full disk
+        fit(Participant("preempt", 3, journal, stop=Preempted("p")), Participant("full", 3, journal, stop=StorageFull("f")),
+            journal=journal)
+    order = [Stop(error).rank for error in (GPUFault("g"), DataError("d"), StorageFull("f"), Preempted("p"))]
+    assert order == sorted(order) and len(set(order)) == 4 and ExitCode.STORAGE_FULL in STOP_PRIORITY
