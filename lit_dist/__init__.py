@@ -8,7 +8,7 @@ import os
 
 # pyarrow's jemalloc starts a background thread when pyarrow is imported; a process forked while that
 # thread holds one of jemalloc's locks can deadlock. Loader workers are forked (by the training process,
-# or by the single-threaded fork server that lit_dist.data.workers uses where fork is unsafe for another
+# or by the single-threaded fork server that lit_dist.reading.workers uses where fork is unsafe for another
 # reason), so the thread is off. It must be set before pyarrow is first imported; a user's own setting stays.
 os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 

@@ -9,7 +9,7 @@ import sys
 
 
 def main() -> None:
-    from lit_dist.data.workers import start_for_command
+    from lit_dist.reading.workers import start_for_command
 
     start_for_command(sys.argv[1:])
     from lit_dist.cli import main as cli_main

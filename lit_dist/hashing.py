@@ -8,7 +8,7 @@ rounds::
     z = (z ^ (z >> 27)) * MIX2
     z = z ^ (z >> 31)
 
-after which every input bit affects every output bit. Users: file name hashes (``data/names.py``), cache
+after which every input bit affects every output bit. Users: file name hashes (``reading/names.py``), cache
 keys (``cache/keys.py``), random crops (``data/dataset.py``), the Feistel rounds of shuffles
 (``data/permutation.py``). Their results are stored (cache keys) or must repeat across runs and resumes
 (crops, shuffles): these values never change.

@@ -8,7 +8,7 @@ ends with any non-zero code, so the job's exit code (137) no longer says what ha
 
 - Every helper process asks the kernel to end it when its parent ends (``die_with_parent``: Linux's
   ``PR_SET_PDEATHSIG``): a rank started by another lit-dist process (``join_launcher``), the fork server
-  (imported ``lit_dist.orphan_guard``), each loader or pool worker (``lit_dist.data.workers``). The resource
+  (imported ``lit_dist.orphan_guard``), each loader or pool worker (``lit_dist.reading.workers``). The resource
   tracker ends by itself once the last process holding its pipe has ended.
 - ``ChildRanks`` replaces Lightning's observer in rank 0: a child that ends with a non-zero code ends the run
   with that code (a signal: ``ExitCode.PROCESS_DIED``), after one line naming the rank, its pid and host, and

@@ -98,7 +98,7 @@ def _ignoring_stop_signals():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    from lit_dist.data.workers import STOP_SIGNALS
+    from lit_dist.reading.workers import STOP_SIGNALS
 
     previous = {number: signal.signal(number, signal.SIG_IGN) for number in (getattr(signal, n) for n in STOP_SIGNALS)}
     try:

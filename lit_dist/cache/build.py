@@ -28,10 +28,12 @@ import torch
 
 from lit_dist.cache.plan import CachePlan
 from lit_dist.cache.store import new_build_id
-from lit_dist.data.unreadable import BadImage
-from lit_dist.data.workers import STOP_SIGNALS, Start, context, ignore_stop_signals
 from lit_dist.distributed import Comm
 from lit_dist.errors import ConfigError, Preempted
+from lit_dist.reading.crops import centre_crop
+from lit_dist.reading.presence import check_files_exist
+from lit_dist.reading.unreadable import BadImage
+from lit_dist.reading.workers import STOP_SIGNALS, Start, context, ignore_stop_signals
 from lit_dist.slurm import requeue
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,6 @@ def check_sources(plan: CachePlan, found: list[dict], comm: Comm) -> None:
     """Every rank looks up a sample of the source images the cache lacks (``found``: per dataset, each field's
     entry positions, -1 where missing) before any is decoded: a wrong data.root is a data error now, not a
     loader worker's failure after start-up."""
-    from lit_dist.data.presence import check_files_exist
 
     def check() -> None:
         for need, entries in zip(plan.needs, found, strict=True):
@@ -248,7 +249,6 @@ class _Builder:
         self.caption_shape = None
 
     def add(self, d: int, rows: np.ndarray, lacking: dict, size: tuple[int, int], images: list, unreadable) -> None:
-        from lit_dist.data.dataset import centre_crop
 
         need, dtype = self.plan.needs[d], self.plan.config.encoder_dtype
         made = {name: [None] * len(rows) for name in lacking}  # None: a source that cannot be decoded

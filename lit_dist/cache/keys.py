@@ -19,8 +19,9 @@ import json
 import numpy as np
 
 from lit_dist import outage
-from lit_dist.data.names import name_hashes
 from lit_dist.hashing import GOLDEN_GAMMA, MIX1, MIX2
+from lit_dist.reading.names import name_hashes
+from lit_dist.reading.presence import mtime
 
 _M = np.uint64(GOLDEN_GAMMA)
 PIXEL_RULE = {
@@ -102,6 +103,5 @@ def listed_identity(root: str, filenames, storage_options: dict | None = None) -
     etags = [i.get("ETag") or i.get("etag") for i in infos]
     if any(etags):
         return identity_hash(sizes, etags=pa.array([e or "" for e in etags], pa.string()))
-    from lit_dist.data.discovery import _mtime
 
-    return identity_hash(sizes, np.array([_mtime(i) if i else 0.0 for i in infos], dtype=np.float64))
+    return identity_hash(sizes, np.array([mtime(i) if i else 0.0 for i in infos], dtype=np.float64))

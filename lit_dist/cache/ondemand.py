@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from lit_dist.cache.build import _encode
-from lit_dist.cache.shards import ShardWriter
+from lit_dist.cache.shards import ShardWriter, from_stored
 from lit_dist.cache.store import new_build_id
 from lit_dist.distributed import Comm
 
@@ -42,7 +42,6 @@ class FillKeys:
                               for _, (p, a) in fills]
         inputs = arrays.pop("_encode_input", [])
         if inputs:
-            from lit_dist.data.dataset import _tensor
 
             key = next(k for k in self.keys if k != "pixels")
             positions = np.array([p for _, (p, _) in inputs])
@@ -56,7 +55,7 @@ class FillKeys:
             }
             if cached:
                 parts["_encode"]["cached_slots"] = torch.tensor([slot for slot, _ in cached])
-                parts["_encode"]["cached"] = _tensor(np.stack([a for _, a in cached]), dtypes[key])
+                parts["_encode"]["cached"] = from_stored(np.stack([a for _, a in cached]), dtypes[key])
         return parts
 
 
@@ -88,7 +87,6 @@ class OnDemandFill:
     def encode(self, batch: dict, encoder_key: str, device: torch.device) -> None:
         """On the device: encoder outputs of the rows the cache lacks, in the stored dtype (what the cache will
         hold), placed among the batch's cached rows; the new ones go to the writer."""
-        from lit_dist.data.dataset import _tensor
 
         job = batch.pop("_encode")
         if next(self.encoder.parameters(), torch.zeros(0)).device != device:
@@ -98,7 +96,7 @@ class OnDemandFill:
         for sample, key, array in zip(job["sample"].cpu().numpy().view(np.uint64), job["key"].cpu().numpy().view(np.uint64),
                                       stored, strict=True):
             self._add("encoder", int(sample), int(key), array)
-        made = _tensor(np.stack(stored), dtype).to(device)  # (k, ...)
+        made = from_stored(np.stack(stored), dtype).to(device)  # (k, ...)
         out = torch.empty((int(job["size"]), *made.shape[1:]), dtype=made.dtype, device=device)
         out[job["slots"]] = made
         if "cached" in job:

@@ -34,13 +34,20 @@ import zlib
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from lit_dist.cache.config import CacheConfig
-from lit_dist.data.unreadable import BadSample
+from lit_dist.reading.unreadable import BadSample
 
 DTYPES = {"uint8": np.uint8, "bf16": np.uint16, "fp16": np.float16, "fp32": np.float32}  # bf16: stored as raw 16-bit
 INDEX_SCHEMA = pa.schema([("sample", pa.uint64()), ("key", pa.uint64()), ("offset", pa.uint32()),
                           ("length", pa.uint32()), ("crc32", pa.uint32())])
+
+
+def from_stored(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """A stored array as a tensor of its dtype, without a copy (``lit_dist.cache.build._stored``'s inverse)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor.view(torch.bfloat16) if dtype == "bf16" else tensor  # bf16 is stored as raw 16-bit words
 
 
 @functools.cache

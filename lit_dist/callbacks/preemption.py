@@ -9,7 +9,7 @@ an arbitrary point and can hang in a collective (Lightning #21406, which is why 
 1. saves the step (the atomic save; waits for any asynchronous one),
 2. has rank 0 run ``scontrol requeue`` for the job (``ARRAYJOB_TASK`` for array tasks) and
    publish ``run.preempted``,
-3. ends every rank with exit code 11 ("preempted"; README.md, "Exit codes").
+3. ends every rank with exit code 11 ("preempted"; docs/exit-codes.md).
 
 Outside Slurm (a SIGTERM from Kubernetes, say) the same save happens, then the exit with 11.
 The requeued job resumes from that checkpoint (``ckpt_path: auto``), at the same step and data
@@ -29,8 +29,8 @@ import time
 from lightning.pytorch import Callback
 
 from lit_dist.control import Agreed, Event, RunControl, Stop
-from lit_dist.data.workers import STOP_SIGNALS
 from lit_dist.errors import ConfigError, Preempted
+from lit_dist.reading.workers import STOP_SIGNALS
 from lit_dist.slurm import job_id, requeue
 
 

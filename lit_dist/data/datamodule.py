@@ -26,12 +26,13 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_dist import compat
+from lit_dist.cache.attach import build_for, open_views, plan_for
 from lit_dist.cache.config import CacheConfig
 from lit_dist.control import RunControl
 from lit_dist.data.health import BadSamples
 from lit_dist.data.sources import DatasetSource
-from lit_dist.data.workers import START_METHODS, QuietWorkerInit, Start, context, start_early
 from lit_dist.errors import ConfigError, DataError
+from lit_dist.reading.workers import START_METHODS, QuietWorkerInit, Start, context, start_early
 
 
 class BucketDataModule(LightningDataModule):
@@ -91,7 +92,7 @@ class BucketDataModule(LightningDataModule):
             index_cache: With scan_root: where the index is cached; default ~/.cache/lit-dist/index-<hash>.parquet.
             preserve_cache: With scan_root: use the cached index as it is, without rescanning the folder.
             num_workers: Loader worker processes per device; 0 loads in the training process.
-            worker_start: How loader workers start: auto is fork, or forkserver on Pythons whose fork can hang (README).
+            worker_start: How loader workers start: auto is fork, or forkserver on Pythons whose fork can hang (docs/data.md).
             seed: Seed of the data order and random crops; the order depends only on (seed, epoch).
             mean: Per-channel mean subtracted after scaling pixels to [0, 1].
             std: Per-channel standard deviation divided by after subtracting the mean.
@@ -245,8 +246,6 @@ class BucketDataModule(LightningDataModule):
         if self.cache is None:  # images are decoded: before anything else, are they where the root says?
             self.check_roots(parts)
         else:  # the cache checks the images it will decode itself (none in mode read)
-            from lit_dist.cache.attach import open_views
-
             device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
             opened = open_views(self, parts, device)
             self._cache_views, self._filler, self._fill_keys = opened.views, opened.filler, opened.fill_keys
@@ -297,8 +296,8 @@ class BucketDataModule(LightningDataModule):
     def check_roots(self, parts: list) -> None:
         """Every rank looks up a sample of each dataset's files (a collective): a wrong root stops the run here,
         with a data error naming it (and where the files are, when a folder next to it holds them)."""
-        from lit_dist.data.presence import check_files_exist
         from lit_dist.distributed import Comm
+        from lit_dist.reading.presence import check_files_exist
 
         def check() -> None:
             for i, (source, (meta, _, _)) in enumerate(zip(self.sources, parts, strict=True)):
@@ -346,14 +345,10 @@ class BucketDataModule(LightningDataModule):
 
     def cache_plan(self, parts: list):
         """The CachePlan of this data: every row of every dataset, keyed for each cached field."""
-        from lit_dist.cache.attach import plan_for
-
         return plan_for(self, parts)
 
     def build_cache(self, device: torch.device, verify: bool = False, parts: list | None = None):
         """Build what the cache lacks on every rank of the run (a collective: every rank must call it)."""
-        from lit_dist.cache.attach import build_for
-
         return build_for(self, device, verify, parts)
 
     def groups(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -12,7 +12,9 @@ import numpy as np
 import torch
 
 from lit_dist import outage
-from lit_dist.data.unreadable import (
+from lit_dist.cache.shards import from_stored
+from lit_dist.reading.crops import centre_crop, crop_offsets
+from lit_dist.reading.unreadable import (
     MISSING,
     BadImage,
     BadSample,
@@ -20,8 +22,7 @@ from lit_dist.data.unreadable import (
     decode_errors,
     permission_denied,
 )
-from lit_dist.data.workers import reading
-from lit_dist.hashing import GOLDEN_GAMMA, MASK64, MIX1, MIX2
+from lit_dist.reading.workers import reading
 
 log = logging.getLogger(__name__)
 _MAX_IN_A_ROW = 8  # bad samples of one bucket tried in a row before the batch gives up: the data is broken
@@ -140,7 +141,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         if self.fill is not None:  # data.cache.mode ondemand: what this batch made for the cache
             batch.update(self.fill.batch_parts(arrays, at, {k: v.dtype for k, v in self.cache.items()}))
         for key, items in arrays.items():
-            batch[key] = _tensor(np.stack([a for _, a in items]), self.cache[key].dtype)  # (B, ...) as stored
+            batch[key] = from_stored(np.stack([a for _, a in items]), self.cache[key].dtype)  # (B, ...) as stored
         if self.labels is not None:
             batch["label"] = torch.from_numpy(self.labels[at])
         for name, column in self.extra.items():
@@ -151,7 +152,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         """Sample ``index`` (its image cropped to the bucket, its cached fields), a bad one replaced by the
         next sample of its bucket. Returns the sample used, how many failed before it, and its arrays.
 
-        Only a bad sample is replaced (``data/unreadable.py``): a missing file, bytes that do not decode, a bomb,
+        Only a bad sample is replaced (``reading/unreadable.py``): a missing file, bytes that do not decode, a bomb,
         a missing or damaged cache entry. Anything else (a bug, a permission error, an outage) propagates.
         """
         candidate, tried, last = index, [], None
@@ -261,33 +262,6 @@ def _batch_buffer(shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
         storage = torch.UntypedStorage._new_shared(int(np.prod(shape)))
         tensor = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
     return tensor, tensor.numpy()
-
-
-def crop_offsets(seed: int, epoch: int, index: int, free_x: int, free_y: int) -> tuple[int, int]:
-    """The random crop's (left, top), in 0..free_x and 0..free_y, from (seed, epoch, index) alone: the two
-    32-bit halves of splitmix64's finaliser over a combination of the three.
-
-    A generator per sample (``np.random.default_rng([seed, epoch, index])``, which hashes its seed through a
-    SeedSequence) cost 12-25 us a sample, a tenth of reading one from a cache; this costs under 1 us. Taking
-    32 bits modulo at most a few thousand positions, the offsets' bias is below 1e-6.
-    """
-    # 0xD1B5...: one more odd constant, so that seed, epoch and index each have their own multiplier.
-    word = (seed * GOLDEN_GAMMA + epoch * 0xD1B54A32D192ED03 + index * MIX1) & MASK64
-    word = ((word ^ (word >> 30)) * MIX1) & MASK64
-    word = ((word ^ (word >> 27)) * MIX2) & MASK64
-    word ^= word >> 31
-    return (word & 0xFFFFFFFF) % (free_x + 1), (word >> 32) % (free_y + 1)
-
-
-def centre_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:
-    """The evaluation crop: the centre (width, height) of a covering image."""
-    top, left = (image.shape[0] - height) // 2, (image.shape[1] - width) // 2
-    return image[top : top + height, left : left + width]
-
-
-def _tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return tensor.view(torch.bfloat16) if dtype == "bf16" else tensor  # bf16 is stored as raw 16-bit words
 
 
 def _reason(exc: Exception) -> str:

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lit_dist import outage
-from lit_dist.data.unreadable import MISSING, BadImage, decode_errors, permission_denied
-from lit_dist.data.workers import context, ignore_stop_signals
 from lit_dist.errors import DataError
+from lit_dist.reading.presence import mtime
+from lit_dist.reading.unreadable import MISSING, BadImage, decode_errors, permission_denied
+from lit_dist.reading.workers import context, ignore_stop_signals
 
 if TYPE_CHECKING:
     from lit_dist.distributed import Comm
@@ -141,7 +142,7 @@ def _list_images(fs, base: str) -> _Listing:
         names=names,
         filenames=[name[len(base) + 1 :] for name in names],
         sizes=np.array([int(listing[name].get("size") or 0) for name in names], dtype=np.int64),
-        mtimes=np.array([_mtime(listing[name]) for name in names], dtype=np.float64),
+        mtimes=np.array([mtime(listing[name]) for name in names], dtype=np.float64),
         widths=np.zeros(n, dtype=np.int32),
         heights=np.zeros(n, dtype=np.int32),
         pending=np.arange(n),
@@ -162,11 +163,6 @@ def _reuse(listing: _Listing, previous) -> _Listing:
             listing.widths[i], listing.heights[i], todo[i] = prev_w[j], prev_h[j], False
     listing.pending = np.flatnonzero(todo)
     return listing
-
-
-def _mtime(info: dict) -> float:
-    value = info.get("mtime", info.get("LastModified", info.get("last_modified", 0)))
-    return value.timestamp() if hasattr(value, "timestamp") else float(value or 0)
 
 
 def _read_sizes(fs, paths: list[str], workers: int | None, progress_title: str | None = None,

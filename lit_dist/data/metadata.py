@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lit_dist import outage
+from lit_dist.cache.keys import identity_hash
 from lit_dist.errors import DataError
 
 
@@ -176,7 +177,7 @@ def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: 
     """
     import pyarrow as pa
 
-    from lit_dist.data.names import hashed_duplicates, name_hashes, sorted_duplicates
+    from lit_dist.reading.names import hashed_duplicates, name_hashes, sorted_duplicates
 
     # Chunked as read (one chunk per row group): combining 10 M strings would copy them all.
     filenames = table.column("filename")
@@ -229,8 +230,6 @@ def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: 
 
 def _identity(table) -> np.ndarray | None:
     """Each file's version from the table's bytes and mtime (or etag) columns; None when it has neither."""
-    from lit_dist.cache.keys import identity_hash
-
     names = set(table.column_names)
     if "etag" in names:
         sizes = table.column("bytes").to_numpy() if "bytes" in names else None
@@ -246,7 +245,7 @@ def _path_and_size_checks(filenames, sizes, source: str) -> tuple[np.ndarray, Ba
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from lit_dist.data.names import Scratch, scan
+    from lit_dist.reading.names import Scratch, scan
 
     report = BadRows()
     bad, suspicious = scan(filenames)
@@ -338,7 +337,7 @@ def _splits(column, source: str) -> np.ndarray:
 
 def hash_split(filenames, val_fraction: float, hashes: np.ndarray | None = None) -> np.ndarray:
     """1 (val) or 0 (train) from a hash of each filename's bytes: the same on every rank, run and table order."""
-    from lit_dist.data.names import name_hashes
+    from lit_dist.reading.names import name_hashes
 
     hashes = name_hashes(filenames) if hashes is None else hashes
     # The top 53 bits as a fraction in [0, 1): compared with the fraction, not a modulus, so 5 % means 5 %.

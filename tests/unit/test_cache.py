@@ -553,11 +553,11 @@ def test_float_entries_round_trip_through_the_byte_shuffle(dtype):
         writer.add(i, i, a)
     data, index = writer.finish()
     table = read_index(index)
-    from lit_dist.data.dataset import _tensor
+    from lit_dist.cache.shards import from_stored
 
     for i, a in enumerate(arrays):
         at, n = table.column("offset")[i].as_py(), table.column("length")[i].as_py()
         back = decode(data[at : at + n], table.column("crc32")[i].as_py(), dtype, writer.encoding)
         assert np.array_equal(back, a)
         expected = values[i].to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
-        assert torch.equal(_tensor(back, dtype), expected)
+        assert torch.equal(from_stored(back, dtype), expected)

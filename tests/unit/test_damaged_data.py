@@ -262,7 +262,7 @@ def test_a_bucket_of_damaged_cache_entries_is_one_data_error_from_the_reading_th
 
 def test_only_bad_images_are_replaced_and_the_final_error_names_the_files_tried(tmp_path, demo_data):
     from lit_dist.data.datamodule import BucketDataModule
-    from lit_dist.data.unreadable import BadImage, UnreadableInARow
+    from lit_dist.reading.unreadable import BadImage, UnreadableInARow
 
     shutil.copytree(demo_data.parent, tmp_path / "shapes")
     dm = BucketDataModule(str(tmp_path / "shapes" / "metadata.parquet"), resolution=32, batch_size_per_device=4,

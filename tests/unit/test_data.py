@@ -55,7 +55,7 @@ def test_batches_are_uint8_bucket_sized_and_crops_repeat_per_seed_epoch_index(de
 
 
 def test_crop_offsets_are_uniform_and_independent_over_positions_and_of_each_other():
-    from lit_dist.data.dataset import crop_offsets
+    from lit_dist.reading.crops import crop_offsets
 
     free = 10  # 11 positions each way, 121 (left, top) cells
     offsets = np.array([crop_offsets(seed, epoch, index, free, free)

@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 
 from lit_dist.cache.keys import entry_keys, identity_hash, sample_ids
-from lit_dist.data.dataset import crop_offsets
-from lit_dist.data.names import name_hashes
 from lit_dist.data.permutation import permute
+from lit_dist.reading.crops import crop_offsets
+from lit_dist.reading.names import name_hashes
 
 NAMES = pa.array(["", "a", "photos/x.jpg"])
 

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from lit_dist.data.names import duplicates, name_hashes, scan
+from lit_dist.reading.names import duplicates, name_hashes, scan
 
 pytestmark = pytest.mark.unit
 

@@ -135,7 +135,7 @@ def test_a_worker_killed_while_its_batch_is_handed_over_is_named_too():
     # it is dead; a moment earlier (its fork server has not told this process yet) it raises the socket's error.
     import torch
 
-    from lit_dist.data.workers import context
+    from lit_dist.reading.workers import context
 
     loader = torch.utils.data.DataLoader(range(4), batch_size=1, num_workers=1,
                                          multiprocessing_context=context("forkserver"))

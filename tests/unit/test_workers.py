@@ -1,4 +1,4 @@
-"""How loader workers start (lit_dist.data.workers): fork only where CPython forks a threaded process safely."""
+"""How loader workers start (lit_dist.reading.workers): fork only where CPython forks a threaded process safely."""
 
 import multiprocessing
 import os
@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from lit_dist.data import workers
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError
+from lit_dist.reading import workers
 
 
 @pytest.mark.parametrize(("version", "safe"), [
@@ -96,7 +96,7 @@ def test_a_data_module_left_at_its_defaults_starts_workers_as_the_early_start_as
 def test_lit_dist_starts_the_fork_server_before_importing_lightning_when_its_command_wants_workers(command, started):
     import subprocess
 
-    code = ("import sys, multiprocessing.forkserver as f; from lit_dist.data.workers import start_for_command; "
+    code = ("import sys, multiprocessing.forkserver as f; from lit_dist.reading.workers import start_for_command; "
             f"start_for_command({command.split()!r}); "
             "print(f._forkserver._forkserver_pid is not None, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
