@@ -7,11 +7,15 @@
 """
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from lit_dist.errors import ConfigError, ExitCode
 
+if TYPE_CHECKING:  # typed, so that building the command's parser reads no stubs (a subprocess of jsonargparse's)
+    from lit_dist.cli import RunConfigCLI
 
-def cache(cli, check: bool = False) -> int:
+
+def cache(cli: "RunConfigCLI", check: bool = False) -> int:
     """Build the run's cache of pixels / encoder outputs on every rank, or report on it; returns the exit code.
 
     Args:

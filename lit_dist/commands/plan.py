@@ -7,12 +7,16 @@ exit code of the first kind of problem (configuration 2, data 3).
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 from lit_dist.errors import ExitCode, LitDistError
 from lit_dist.launch import world_size
 
+if TYPE_CHECKING:  # typed, so that building the command's parser reads no stubs (a subprocess of jsonargparse's)
+    from lit_dist.cli import RunConfigCLI
 
-def plan(cli) -> int:
+
+def plan(cli: "RunConfigCLI") -> int:
     """Print what a run would do (world size, batches, learning rate, warmup, steps, buckets, cache) and every
     problem found, without a GPU or a process group; exit 0 when the run can start, else 2 (configuration)
     or 3 (data).

@@ -9,10 +9,15 @@ images/s; all-reduce bus bandwidth of the whole job and within each node. Exit 1
 is below preflight.min_fraction of the median. See lit_dist/preflight.py.
 """
 
+from typing import TYPE_CHECKING
+
 from lit_dist.errors import ExitCode
 
+if TYPE_CHECKING:  # typed, so that building the command's parser reads no stubs (a subprocess of jsonargparse's)
+    from lit_dist.cli import RunConfigCLI
 
-def preflight(cli) -> int:
+
+def preflight(cli: "RunConfigCLI") -> int:
     """Measure the allocation on every rank (matmul, all-reduce, data reads, checkpoint writes, loader) and name
     the ranks and nodes below preflight.min_fraction of the median (exit 14).
 

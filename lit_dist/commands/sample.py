@@ -14,11 +14,15 @@ printed too.
 """
 
 import os
+from typing import TYPE_CHECKING
 
 from lit_dist.errors import ConfigError, DataError
 
+if TYPE_CHECKING:  # typed, so that building the command's parser reads no stubs (a subprocess of jsonargparse's)
+    from lit_dist.cli import RunConfigCLI
 
-def sample(cli, checkpoint: str, prompt: str | None = None, num: int = 4, guidance: float = 4.0, steps: int = 30,
+
+def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num: int = 4, guidance: float = 4.0, steps: int = 30,
            seed: int = 0, output: str = "samples.png", ema: bool = False, trust_pickle: bool = False) -> int:
     """Images from a checkpoint of a generative run (model.objective FlowMatching or Diffusion), as a PNG grid.
 

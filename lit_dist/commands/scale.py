@@ -10,11 +10,15 @@ other, and prints samples/s, speedup and efficiency per size; writes scaling.jso
 """
 
 import os
+from typing import TYPE_CHECKING
 
 from lit_dist.errors import ConfigError, ExitCode
 
+if TYPE_CHECKING:  # typed, so that building the command's parser reads no stubs (a subprocess of jsonargparse's)
+    from lit_dist.cli import RunConfigCLI
 
-def scale(cli, devices: str | None = None, nodes: str | None = None, steps: int = 60, plot: str | None = None) -> int:
+
+def scale(cli: "RunConfigCLI", devices: str | None = None, nodes: str | None = None, steps: int = 60, plot: str | None = None) -> int:
     """Timed fits of the run config at several sizes: samples/s, speedup and efficiency per size, and a plot.
 
     Args:
