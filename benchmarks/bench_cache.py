@@ -1,31 +1,42 @@
 """Caches, measured against what they replace, each in the same run:
 
-1. loader: samples/s of the train loader reading a pixel cache vs decoding the source JPEGs
-   (about 1 MP each, into ~256^2 buckets, the same loader workers), an epoch of each in turn, five
-   times: the median of the five ratios. Target >= 8x.
+1. loader: samples/s of the train loader reading a pixel cache (stored in data.cache.pixel_layout's
+   default, row_tree) vs decoding the source JPEGs (about 1 MP each, into ~256^2 buckets, as many loader
+   workers: threads reading the cache, processes decoding), an epoch of each in turn, five times: the
+   median of the five ratios. Interleaved because a shared VM's speed drifts by up to 40 % within an
+   hour: a round's two epochs are seconds apart. Target >= 8x.
 2. build: `lit-dist cache` samples/s on 2 processes vs 1 (decoding in each rank's own process,
    so a rank is one core here, as a GPU rank has its own cores), the best of five runs each, in
-   turn. Target >= 1.7x.
+   turn (what else runs on the machine slows a run, two-process runs most, and never speeds one up).
+   Target >= 1.7x.
 3. latent: steps/s of configs/latent_quickstart.yaml (CNN on cached VAE latents) vs the same
-   frozen VAE encoding every step (configs/latent_on_the_fly.yaml), 15 epochs each, and the
-   validation accuracy both reach: mean over seeds (2 each), on 6,000 shapes of which half are
-   for validation, so that 1 point is 30 images and not the 3 of the quickstart's 282 (where
-   another seed alone moves the accuracy 5 points). Target >= 3x, accuracy within 1 point.
+   frozen VAE encoding every step (configs/latent_on_the_fly.yaml), 15 epochs each (steps/s of the
+   first seed, after 20 warm-up steps), and the validation accuracy both reach: mean over seeds (2
+   each), on 6,000 shapes of which half are for validation, so that 1 point is 30 images and not the
+   3 of the quickstart's 282 (where another seed alone moves the accuracy 5 points). Reported beside:
+   a cache of fp32 latents (one seed). Target >= 3x, accuracy within 1 point.
 4. compression: zstd (per sample, as the cache stores it) vs gzip (Python's gzip.compress at its
    default level 9, per sample: SimpleTuner's --compress_disk_cache gzips each file) on the same
-   cached pixels and on VAE latents of the photos at 256^2 (4 x 128 x 128 bf16, the size of SD
+   cached pixels and on VAE latents of 100 of the photos at 256^2 (4 x 128 x 128 bf16, the size of SD
    latents of a 1024^2 image); pixels as stored by default (data.cache.pixel_layout row_tree), and
-   reported beside them, stored plain and as row differences (rows). Target: zstd's ratio at least
-   gzip's, decompression >= 3x faster.
-5. S3: requests to read one sample from a shard on the local S3 server. Target 1.
+   reported beside them, stored plain and as row differences (rows). zstd at data.cache's level (1),
+   multi-byte dtypes byte-shuffled; gzip on the plain bytes. zstd's decompression time includes undoing
+   the layout in place (un-shuffling, the row tree, the running sum down the rows), as a reader does.
+   Also reported, to tell codec from layout: gzip on the stored bytes, and zstd's decompression alone
+   vs gzip's on them. Target: zstd's ratio at least gzip's, decompression >= 3x faster.
+5. S3: requests to read one sample from a shard on the local S3 server (moto), over 20 reads: each must
+   be one ranged GET. Target 1.
 6. memory: bytes a run keeps per sample for a pixel + encoder cache, from a synthetic cache of
-   1 M entries (index files only). Target <= 32.
+   1 M entries (index files only): the slope from 250 K to 1 M entries. Target <= 32.
 
     .venv/bin/python -m benchmarks.bench_cache [--images 600] [--workers 2] [--rounds 5] [--epochs 15] [--skip-latent]
                                                [--photos DIR] [--short]
 
 ``--photos DIR`` adds part 4 on the images of DIR (your own photos), resized to cover 256 on their
-short side as the pixel cache stores them; reported, not checked.
+short side as the pixel cache stores them; reported, not checked. The real-photo figures of
+docs/benchmarks.md are ten sample photos (`pip download --no-deps scikit-image matplotlib`): astronaut,
+chelsea, coffee, hubble_deep_field, ihc, motorcycle_left, motorcycle_right, retina and rocket from
+scikit-image 0.26's skimage/data, and grace_hopper.jpg from matplotlib 3.11's mpl-data/sample_data.
 """
 
 import argparse

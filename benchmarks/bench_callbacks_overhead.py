@@ -1,5 +1,6 @@
 """Steps/s with the GPU circuit breaker (NVML test double, 1 s polls) and webhooks (a local server
-that answers after 2 s) vs without either, same model and data, runs alternating.
+that answers after 2 s) vs without either, same model (SimpleCNN) and in-memory data, runs
+alternating, medians of ``--repeats`` runs each.
 
 Target (issue 5): ratio >= 0.99.
 

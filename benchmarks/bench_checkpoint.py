@@ -6,7 +6,8 @@
   rename, manifest, rotation) vs a bare ``torch.save`` of the same state to the same disk (aim >= 0.8x).
 
 Saves alternate (sync, async, bare) every ``--every`` steps of the same run, so all three see the
-same state size, page cache and disk.
+same state size, page cache and disk; each starts after ``os.sync()``, so that none pays for the previous
+one's writeback. Medians of ``--repeats`` saves of each kind.
 
     .venv/bin/python -m benchmarks.bench_checkpoint [--repeats 5] [--every 16] [--dir PATH] [--short]
 """

@@ -2,10 +2,10 @@
 
 Same model (SimpleCNN), same in-memory data, batch 64 per process, AdamW, gloo, one
 thread per process in both (torchrun's and Lightning's default for 2 processes on 2
-cores); runs alternate. lit-dist runs as a user's run would: a checkpoint every epoch (epochs of 256
-steps: 4 saves in the run; with the 32-step epochs of the default 4,096 samples, 31 saves cost 3.5 %, a
-cadence no real run has), preemption handling, the run control's exchange every 5 steps, progress
-lines. Target (issue "run control"): ratio >= 1.0.
+cores); runs alternate, medians of ``--repeats``. lit-dist runs as a user's run would: a checkpoint every
+epoch (epochs of 256 steps: 4 saves in the run; with the 32-step epochs of the default 4,096 samples, 31 saves
+cost 3.5 %, a cadence no real run has), preemption handling, the run control's exchange every 5 steps, progress
+lines and the goodput journal. Target (issue "run control"): ratio >= 1.0.
 
     .venv/bin/python -m benchmarks.bench_ddp [--repeats 5] [--steps 1000] [--short]
 """

@@ -1,13 +1,16 @@
 """Discovery scan (image headers only) vs a scan that fully decodes each image, as SimpleTuner's does.
 
-Same files, same number of processes, same run. Target (issue 3): >= 100x the images/s.
+Same files (``--images`` JPEGs of 1200x900 or 900x1200, about 1 MP), same number of processes, same run.
+Target (issue 3): >= 100x the images/s.
 
 A second figure, reported beside it (no target): ``lit-dist index`` started as one process vs as
-several under torchrun, which split the header reads among them, on a folder of small JPEGs. Both
+several (``--split-processes``, 2) under torchrun, which split the header reads among them, on a folder of
+``--split-images`` small JPEGs (64..127 px); the two alternate, the best of ``--repeats`` (3) runs each. Both
 the rate inside the command (after start-up) and the wall clock of the whole command are shown; on
 a machine with few cores the split cannot gain much, since one process already uses them all.
 
-    .venv/bin/python -m benchmarks.bench_discovery [--images 2000] [--workers 2] [--split-images 4000] [--short]
+    .venv/bin/python -m benchmarks.bench_discovery [--images 2000] [--workers 2] [--split-images 4000] [--repeats 3]
+                                                   [--short]
 """
 
 import argparse

@@ -1,7 +1,10 @@
 """FSDP2 vs DDP on 2 CPU processes: parameter + gradient + optimizer memory per rank, ~56 M-parameter model.
 
-Both run `lit-dist fit` on the same model, data and optimizer (AdamW); the count is of
-the tensors each rank holds at the end of a step. Target (issue 4): FSDP2 <= 0.6x DDP.
+Both run `lit-dist fit` on the same model (benchmarks.models.MLPClassifier, 56.7 M parameters at
+the defaults), data and optimizer (AdamW); the count is of the tensors each rank holds at the end of
+a step (benchmarks.common.StateMemory): under FSDP2 its shards. During a block's forward and backward
+FSDP2 also holds that block whole (16 MiB at the defaults), which the count leaves out. Target
+(issue 4): FSDP2 <= 0.6x DDP.
 
     .venv/bin/python -m benchmarks.bench_fsdp2_memory [--width 2048] [--depth 12] [--short]
 """

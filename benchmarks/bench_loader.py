@@ -1,7 +1,10 @@
 """Images/s through BucketDataModule's train loader vs a bare Pillow loop doing the same work.
 
-Both decode the same JPEGs, resize them to cover the bucket and crop, with the same
-number of processes (loader workers vs a multiprocessing pool). Target (issue 3): >= 0.9x.
+Both decode the same JPEGs (768x512, 512x768 and 640x640), resize them to cover their ~256^2
+bucket and crop, in batches of 16, with the same number of processes (loader workers vs a
+multiprocessing pool); a pass of each in turn, ``--rounds`` times, the best of each. The loader's
+workers start as lit-dist starts them (data.worker_start auto: from a fork server on Pythons whose
+fork can hang, 3.11.7 among them); the pool forks. Target (issue 3): >= 0.9x.
 
     .venv/bin/python -m benchmarks.bench_loader [--images 1200] [--workers 2] [--rounds 3] [--short]
 """

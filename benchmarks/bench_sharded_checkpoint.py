@@ -4,7 +4,8 @@
   writes them on a thread over a gloo group of its own) vs a synchronous one (target, issue 29: <= 0.15x). The
   asynchronous figure includes any wait for the previous write.
 - throughput per rank: a synchronous sharded save (the state taken from the model and optimizer, every rank its
-  shard file through torch.distributed.checkpoint, sha256 while writing, fsync, the marker once all are in) vs
+  shard file through torch.distributed.checkpoint, sha256 while writing, fsync, the marker once all are in; DCP's
+  per-tensor zip crc32 off, as in every lit-dist sharded save: the manifest's sha256 covers every byte) vs
   what a hand-written save of the same shards does: take the same state (Lightning's ``dump_checkpoint``, as
   lit-dist's save does) and ``torch.save`` the rank's local shards to the same disk (target >= 0.8x); also vs the
   same ``torch.save`` followed by ``fsync`` (on disk, as a checkpoint's files must be: the bare one may end with
@@ -14,7 +15,7 @@
 
 Saves alternate (sync, async, bare, bare + fsync) every ``--every`` steps of the same run, so all three see the same state
 size, page cache and disk; each starts after ``os.sync()`` and writes new files (nothing is deleted until the
-end: about 7 GB on disk for the full run).
+end: about 7 GB on disk for the full run). Medians of ``--repeats`` saves of each kind.
 
     .venv/bin/python -m benchmarks.bench_sharded_checkpoint [--repeats 4] [--every 12] [--dir PATH] [--short]
 """

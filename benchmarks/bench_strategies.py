@@ -1,19 +1,22 @@
-"""Samples/s and memory per strategy preset, one reference model: the GPU table of README.md.
+"""Samples/s and memory per strategy preset, one reference model: the GPU table of docs/benchmarks.md.
 
 Each preset in configs/ runs `lit-dist fit` in its own process on the same model, data and
-batch: a residual MLP (benchmarks.models.MLPClassifier; ~420 M parameters on GPUs), random
+batch: a residual MLP (benchmarks.models.MLPClassifier; 415 M parameters on GPUs), random
 in-memory 32x32 images, AdamW (DeepSpeed's CPU Adam where the preset offloads), lit-dist's
 default precision (bf16-mixed on GPUs). Samples/s are timed after the warm-up steps; peak
 memory is the most any rank's CUDA allocator held (torch.cuda.max_memory_allocated); and for
 every preset, the bytes of parameters, gradients, optimizer state and ZeRO's own buffers that
-rank 0 holds, counted from the tensors themselves (benchmarks.common.StateMemory).
+rank 0 holds, counted from the tensors themselves (benchmarks.common.StateMemory). On one GPU no
+preset shards anything, so memory there says little. `bash .ci/gpu` runs it on a GPU machine; the
+H200 figures of docs/benchmarks.md are one GPU, batch 256, short windows: ``--steps 15 --warmup 5``
+(ZeRO-3 and the offload presets ``--steps 8 --warmup 3``).
 
     .venv/bin/python -m benchmarks.bench_strategies              # every preset, all GPUs of the machine
     .venv/bin/python -m benchmarks.bench_strategies --presets ddp fsdp2 --devices 2
     .venv/bin/python -m benchmarks.bench_strategies --short      # 4 presets (one per kind), a tiny model, a few steps
 
 Without CUDA: the presets that run on CPU (ddp, fsdp2, every DeepSpeed one) on 2 processes
-with a small model, in bf16-mixed (the GPU default); resident memory there is mostly the
+with a small model (7.3 M parameters), in bf16-mixed (the GPU default); resident memory there is mostly the
 interpreter, so the tensor counts are what compares. Targets (issue 34): ZeRO-3's total per rank
 <= 0.6 of DDP's, ZeRO-1's optimizer state <= 0.6 of DDP's. In 32-true (`--precision 32-true`)
 DeepSpeed keeps an fp32 master partition beside the fp32 parameters: ZeRO-3 holds 0.62 of DDP.

@@ -1,6 +1,6 @@
 """Exit codes and the errors that carry them.
 
-Every code is documented in README.md ("Exit codes"). The GPU-fault,
+Every code is documented in docs/exit-codes.md. The GPU-fault,
 preemption, hang, straggler, preflight, process-died, storage-full and store-unreachable codes sit outside 64-78 (sysexits), 126-165 (shell and signals) and
 255, so an orchestrator can tell them from everything else.
 """

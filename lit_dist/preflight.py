@@ -14,7 +14,7 @@ On every rank (``srun lit-dist preflight --config cfg.yaml``, or ``fit`` with
 
 Rank 0 prints a table per node and rank and writes ``preflight.json`` into the run directory. Every
 figure below ``min_fraction`` of the median (of the ranks, or of the nodes for the within-node
-all-reduce) is named; if any is, every rank ends with exit code 14 (README, "Exit codes").
+all-reduce) is named; if any is, every rank ends with exit code 14 (docs/exit-codes.md).
 """
 
 import json

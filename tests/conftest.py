@@ -21,7 +21,7 @@ pytest.register_assert_rewrite("tests.helpers")
 
 from tests.helpers.processes import left_after  # noqa: E402
 
-LEFT_BOUND_S = 10.0  # README, "Faults": every process of a run is gone this long after the job exits
+LEFT_BOUND_S = 10.0  # docs/slurm.md, "A rank that hangs": every process of a run is gone this long after the job exits
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 

@@ -13,8 +13,8 @@ throttling that persists for ``throttle_polls`` polls. Thermal slowdown alone is
 ``gpu.warning``. When it trips, the rank that saw it publishes ``gpu.fault`` (with the GPU's
 index, UUID, name, PCI id and readings) to the webhooks and the console; the fault is a fact
 shared with the run control (``lit_dist.control``), so at most ``control.sync_every_n_steps`` + 1
-steps later all ranks stop together at the same step and exit with code 10 (README, "Exit
-codes") so Slurm or Kubernetes can drain the node. In a Slurm job (``exclude_node``, on by default
+steps later all ranks stop together at the same step and exit with code 10 (docs/exit-codes.md)
+so Slurm or Kubernetes can drain the node. In a Slurm job (``exclude_node``, on by default
 there) rank 0 first requeues the job with the faulty GPU's node added to the job's excluded nodes,
 so that it starts again on healthy nodes and resumes from its last checkpoint.
 

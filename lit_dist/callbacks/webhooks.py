@@ -11,7 +11,7 @@ Example (YAML; URLs and tokens come from environment variables or files, never f
               - {kind: raw, url_env: ORCHESTRATOR_URL, auth_header_env: ORCHESTRATOR_TOKEN}
 
 The notifier is a subscriber of the run control's event publisher (``lit_dist.control``): it
-sends what is published there (schema 1, see README.md): ``run.started``, ``run.progress``,
+sends what is published there (schema 1, see docs/webhooks.md): ``run.started``, ``run.progress``,
 ``validation.finished``, ``run.finished``, ``run.failed`` and ``run.preempted`` from rank 0,
 ``checkpoint.saved`` from rank 0 once the checkpoint is complete, ``samples.written`` from rank 0 once a
 sample grid is written (lit_dist.callbacks.samples), ``gpu.warning`` and ``gpu.fault``

@@ -14,7 +14,7 @@ from tests.helpers.processes import left_after
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-BOUND_S = 10.0  # README, "Faults": every process of a run is gone this long after the job exits
+BOUND_S = 10.0  # docs/slurm.md, "A rank that hangs": every process of a run is gone this long after the job exits
 
 
 def run(tmp_path, demo_data, *extra: str, workers: int = 0, timeout: float = 240):

@@ -26,7 +26,7 @@ from tests.helpers.small_fs import RUN, check_ended_full, mounter
 
 pytestmark = pytest.mark.distributed
 
-BOUND_S = 10.0  # README, "Faults": every process of a run is gone this long after the job exits
+BOUND_S = 10.0  # docs/slurm.md, "A rank that hangs": every process of a run is gone this long after the job exits
 FSDP2 = ["--config", str(CONFIGS / "fsdp2.yaml")]
 
 

@@ -4,7 +4,7 @@ Benchmarks rot silently: nothing else runs them, the code they drive changes und
 unnoticed until someone needs its figures (one measured nothing for weeks). So each script in benchmarks/ takes
 ``--short``, which runs every part of it (both sides, every phase) at tiny sizes, and this test runs each so and
 checks its last line: ``{"benchmark": ..., "ratio": ..., "target": ..., "met": ..., "short": true, ...}``. The
-figures of a short run mean nothing and are not checked; the targets are for the full runs (README, Benchmarks).
+figures of a short run mean nothing and are not checked; the targets are for the full runs (docs/benchmarks.md).
 A new ``benchmarks/bench_*.py`` is picked up by its name, and fails here until it has ``--short``.
 """
 
