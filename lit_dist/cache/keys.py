@@ -25,7 +25,7 @@ from lit_dist.reading.presence import mtime
 
 _M = np.uint64(GOLDEN_GAMMA)
 PIXEL_RULE = {
-    # How a pixel entry is made; any change here must change the fingerprint.
+    # How a pixel entry is made (lit_dist.reading.decode.covering); any change there must change the fingerprint.
     "version": 1,
     "decode": "Pillow, JPEG draft at the bucket size, EXIF transposed, RGB",
     "resize": "bilinear, reducing_gap 3.0, to cover the bucket (the smallest scale at which both sides cover it)",

@@ -6,7 +6,6 @@ worker and trainer, and the epoch is known for the random crop.
 """
 
 import logging
-import re
 
 import numpy as np
 import torch
@@ -14,12 +13,13 @@ import torch
 from lit_dist import outage
 from lit_dist.cache.shards import from_stored
 from lit_dist.reading.crops import centre_crop, crop_offsets
+from lit_dist.reading.decode import covering as decode_covering
+from lit_dist.reading.decode import guard_against_bombs, reason
 from lit_dist.reading.unreadable import (
     MISSING,
     BadImage,
     BadSample,
     UnreadableInARow,
-    decode_errors,
     permission_denied,
 )
 from lit_dist.reading.workers import reading
@@ -96,7 +96,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         if self._fs_pid != os.getpid():
             self._fs, root = outage.url_to_fs(self.url, **self.storage_options)
             self.root, self._fs_pid = root.rstrip("/"), os.getpid()
-            _guard_against_bombs(self.max_image_pixels)
+            guard_against_bombs(self.max_image_pixels)
         return self._fs
 
     def __getstate__(self) -> dict:
@@ -165,14 +165,14 @@ class BucketImageDataset(torch.utils.data.Dataset):
                 if candidate not in self._logged:
                     self._logged.add(candidate)
                     log.warning("lit-dist: %scannot read %s (%s); using another image of the same bucket",
-                                self._who, self._path(candidate), _reason(exc))
+                                self._who, self._path(candidate), reason(exc))
                 candidate = self._next_in_bucket(candidate)
                 if candidate in tried:  # a small bucket: every one of its samples was tried
                     break
         names = ", ".join(self.filenames[int(self.positions[i])].as_py() for i in tried)
         raise UnreadableInARow(
             f"{self._who}{len(tried)} samples in a row of bucket {width}x{height} could not be read, under "
-            f"{self.url}: {names} (the last: {_reason(last)}). So many bad ones together mean a wrong data.root, a "
+            f"{self.url}: {names} (the last: {reason(last)}). So many bad ones together mean a wrong data.root, a "
             "damaged cache (lit-dist cache --check) or a damaged copy of the dataset") from last
 
     def _sample(self, index: int, epoch: int, width: int, height: int) -> dict[str, np.ndarray]:
@@ -214,30 +214,16 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
         This is what a pixel cache stores: the crop is left to load time, so it varies as it does without one.
         """
-        import io
-
-        from PIL import Image, ImageOps
-
         path = self._path(index)
         try:  # the bytes first: an error of the storage is told apart from bytes that do not decode
             with reading(path):  # a hang dump names the file
                 # An outage is waited out (the same file read once the store answers), never a bad image.
                 data = outage.call(lambda: self._read_bytes(path), path, self.outage_deadline_s, self._who)
         except MISSING as exc:
-            raise BadImage(f"missing ({_reason(exc)})") from exc
+            raise BadImage(f"missing ({reason(exc)})") from exc
         except PermissionError as exc:
             raise permission_denied(path, exc) from exc
-        try:
-            img = Image.open(io.BytesIO(data))
-            img.draft("RGB", (width, height))  # JPEG: decode at a reduced scale when that still covers the bucket
-            img = ImageOps.exif_transpose(img).convert("RGB")
-        except decode_errors() as exc:
-            raise BadImage(_reason(exc)) from exc
-        scale = max(width / img.width, height / img.height)
-        resized = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
-        if resized != img.size:
-            img = img.resize(resized, Image.BILINEAR, reducing_gap=3.0)
-        return np.asarray(img)  # (H', W', C)
+        return decode_covering(data, width, height)
 
     def _read_bytes(self, path: str) -> bytes:
         with self._open_fs().open(path, "rb") as f:
@@ -262,25 +248,6 @@ def _batch_buffer(shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
         storage = torch.UntypedStorage._new_shared(int(np.prod(shape)))
         tensor = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
     return tensor, tensor.numpy()
-
-
-def _reason(exc: Exception) -> str:
-    """Why a file could not be read, without the address of the file object Pillow names (the path is shown)."""
-    return re.sub(r"\s*<[^<>]* object at 0x[0-9a-fA-F]+>", "", str(exc)) or type(exc).__name__
-
-
-def _guard_against_bombs(max_pixels: int | None) -> None:
-    """Pillow's decompression-bomb limit for this process, set once rather than per image.
-
-    Pillow raises above 2x the limit and only warns between 1x and 2x; the warning is made
-    an error too, so such an image is replaced like any unreadable one.
-    """
-    import warnings
-
-    from PIL import Image
-
-    Image.MAX_IMAGE_PIXELS = max_pixels
-    warnings.simplefilter("error", Image.DecompressionBombWarning)
 
 
 def _column_batch(values):

@@ -1,0 +1,52 @@
+"""Decoding an image file's bytes to cover its bucket: the one rule a training batch and a pixel cache share
+(``lit_dist.cache.keys.PIXEL_RULE`` describes it in every pixel entry's fingerprint: change one, change both).
+
+Only bytes that do not decode are a bad image here (``BadImage``); reading them, and telling a missing file
+from an outage of the store, is the caller's (``BucketImageDataset.covering``).
+"""
+
+import io
+import re
+
+import numpy as np
+
+from lit_dist.reading.unreadable import BadImage, decode_errors
+
+
+def covering(data: bytes, width: int, height: int) -> np.ndarray:
+    """``data`` decoded and resized to cover (width, height) whole, uncropped: (H', W', 3) uint8.
+
+    This is what a pixel cache stores: the crop is left to load time, so it varies as it does without one.
+    """
+    from PIL import Image, ImageOps
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.draft("RGB", (width, height))  # JPEG: decode at a reduced scale when that still covers the bucket
+        img = ImageOps.exif_transpose(img).convert("RGB")
+    except decode_errors() as exc:
+        raise BadImage(reason(exc)) from exc
+    scale = max(width / img.width, height / img.height)
+    resized = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
+    if resized != img.size:
+        img = img.resize(resized, Image.BILINEAR, reducing_gap=3.0)
+    return np.asarray(img)  # (H', W', C)
+
+
+def reason(exc: Exception) -> str:
+    """Why a file could not be read, without the address of the file object Pillow names (the path is shown)."""
+    return re.sub(r"\s*<[^<>]* object at 0x[0-9a-fA-F]+>", "", str(exc)) or type(exc).__name__
+
+
+def guard_against_bombs(max_pixels: int | None) -> None:
+    """Pillow's decompression-bomb limit for this process, set once rather than per image.
+
+    Pillow raises above 2x the limit and only warns between 1x and 2x; the warning is made
+    an error too, so such an image is replaced like any unreadable one.
+    """
+    import warnings
+
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    warnings.simplefilter("error", Image.DecompressionBombWarning)
