@@ -74,9 +74,9 @@ def explicit(path: str, storage_options: dict | None = None, verify_checksums: b
     store = CheckpointStore(parent or ".", storage_options, outage_deadline_s)
     if not store.remote(lambda: store.fs.exists(store.path(name, MARKER)), "reading", f"checkpoint {folder}"):
         return None
-    if problem := store.unusable(name):
-        return Choice(store, None, [(name, problem)], [(name, problem)])
-    problem = store.files_problem(name, verify_checksums, share)
-    if problem and share[1] == 1:
-        return Choice(store, None, [(name, problem)], [(name, problem)])
-    return Choice(store, name, share_problem=problem)
+    problem = store.unusable(name)
+    if problem is None and (found := store.files_problem(name, verify_checksums, share)):
+        if share[1] > 1:  # this rank's share only: the run agrees on it (``Choice.share_problem``)
+            return Choice(store, name, share_problem=found)
+        problem = found
+    return Choice(store, None, [(name, problem)], [(name, problem)]) if problem else Choice(store, name)
