@@ -10,13 +10,18 @@ from benchmarks import common
 
 @pytest.mark.process
 def test_a_hung_command_ends_with_its_stacks_and_leaves_no_process(monkeypatch, tmp_path):
-    monkeypatch.setattr(common, "COMMAND_TIMEOUT_S", 2)
-    pidfile = tmp_path / "child.pid"
-    # A launcher and the process it starts (as torchrun and its ranks), both waiting for ever.
-    code = ("import subprocess, sys, time; "
-            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    # Long enough for both interpreters to start on a loaded 2-core CI machine: a child killed before its
+    # faulthandler is installed writes no stacks (seen once in CI with 2 s and no hand-shake).
+    monkeypatch.setattr(common, "COMMAND_TIMEOUT_S", 6)
+    pidfile, ready = tmp_path / "child.pid", tmp_path / "child.ready"
+    # A launcher and the process it starts (as torchrun and its ranks), both waiting for ever; the launcher
+    # waits until its child runs Python code (its faulthandler is on by then).
+    child = f"import time; open({str(ready)!r}, 'w'); time.sleep(600)"
+    code = ("import os, subprocess, sys, time; "
+            f"child = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+            f"[time.sleep(0.01) for _ in iter(lambda: os.path.exists({str(ready)!r}), True)]; "
             f"open({str(pidfile)!r}, 'w').write(str(child.pid)); time.sleep(600)")
-    with pytest.raises(RuntimeError, match=r"hung for 2 s; its stacks:\n.*Fatal Python error: Aborted") as err:
+    with pytest.raises(RuntimeError, match=r"hung for 6 s; its stacks:\n.*Fatal Python error: Aborted") as err:
         common.run_bench([sys.executable, "-c", code])
     assert str(err.value).count("Fatal Python error: Aborted") == 2, "both processes wrote their stacks"
     assert not _running(int(pidfile.read_text())), "the process the launcher started is left"
