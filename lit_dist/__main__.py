@@ -1,19 +1,25 @@
 """The ``lit-dist`` command (and ``python -m lit_dist``): its first code, before the CLI's import.
 
-Importing lit_dist.cli imports Lightning, torch and torch._dynamo: about 4 s before anything else can run. A
-loader workers' fork server imports the same modules; started here it does so beside that import rather than
-after it. This module imports nothing heavy: loader workers re-run it (as their ``__mp_main__``).
+Importing lit_dist.cli imports Lightning, torch and torch._dynamo: about 4 s before anything else can run. When
+the command will start loader workers through a fork server (lit_dist/reading/workers.py), that server is made a
+fork of this process right after the import, sharing it; where it cannot be, it is started before the import,
+so that its own import of the same modules runs beside this one. This module imports nothing heavy: loader
+workers started from a new interpreter re-run it (as their ``__mp_main__``).
 """
 
 import sys
 
 
 def main() -> None:
-    from lit_dist.reading.workers import start_for_command
+    from lit_dist.reading import workers
 
-    start_for_command(sys.argv[1:])
+    wanted = workers.server_for_command(sys.argv[1:]) is not None
+    if wanted and not workers.can_fork_server():
+        workers.start_for_command(sys.argv[1:])
     from lit_dist.cli import main as cli_main
 
+    if wanted and workers.can_fork_server():
+        workers.fork_server_here()
     cli_main()
 
 

@@ -9,15 +9,17 @@ collective (Lightning's sanity check, the start of training) then hangs in its f
 measured here, one 2-process DDP start in about ten on 2 cores (the child's native stack:
 ``PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept -> PyThread_acquire_lock``).
 
-``forkserver`` sidesteps it: the training process starts one server process with fork-and-exec (no
-Python runs between the two), and every worker is forked from that single-threaded server. The cost:
-each worker receives its dataset by pickle (a split's rows, not the whole table: see
-``BucketImageDataset.__getstate__``) instead of sharing the parent's memory, and the server imports
-what workers need once per rank (torch, Lightning, lit-dist: about 3 s of CPU). ``lit-dist`` starts it
-first thing (``start_for_command``) so that this runs beside its own import of the same modules; a data module
-made otherwise starts it when it is made. As with
-any start method but fork, a script that calls ``fit`` itself needs ``if __name__ == "__main__":``
-(``lit-dist fit`` has it).
+``forkserver`` sidesteps it: every worker is forked from one single-threaded server process, and each
+receives its dataset by pickle (a split's rows, not the whole table: see ``BucketImageDataset.__getstate__``)
+instead of sharing the parent's memory. ``lit-dist`` makes that server a fork of the rank itself, taken right
+after its imports and before it starts any thread (``fork_server_here``): the server then shares the rank's
+imported torch, Lightning and lit-dist instead of importing them again (4.1 s of CPU and a second copy of
+their memory per rank, measured on the quickstart). Where that cannot be done (another Python thread already
+runs, a Python whose fork server this module does not know), the server is a new interpreter started by
+multiprocessing (fork-and-exec: no Python runs between the two) that imports them itself; ``lit-dist`` then
+starts it first thing, so that its import runs beside the rank's own, and a data module made outside
+``lit-dist`` starts it when it is made. As with any start method but fork, a script that calls ``fit`` itself
+needs ``if __name__ == "__main__":`` (``lit-dist fit`` has it).
 
 Stop signals. Slurm signals every process of a job step (``--signal=USR1@120``, and SIGTERM when it
 preempts or cancels), not only the training process. A worker, the fork server or multiprocessing's
@@ -29,10 +31,13 @@ to or when it is gone (PyTorch's workers watch their parent).
 """
 
 import contextlib
+import importlib
 import multiprocessing
 import os
 import signal
+import socket
 import sys
+import threading
 from typing import Literal
 
 Start = Literal["auto", "fork", "forkserver", "spawn"]
@@ -86,22 +91,99 @@ def start_early(start: Start = "auto") -> None:
 LOADER_COMMANDS = ("fit", "validate", "test", "predict", "cache")
 
 
-def start_for_command(argv: list[str]) -> bool:
-    """At the very start of ``lit-dist`` (before Lightning's 4-second import): start the fork server now if this
-    command will want one, so that its own import of the same modules runs beside ours instead of after them
-    (a 2-step quickstart: 10.8 s -> 7.1 s on 2 cores). Whether it will is guessed from the command line and its
-    ``--config`` files; a wrong guess costs only time (an idle server, or the start at the data module as
-    before). True if it started one."""
+def server_for_command(argv: list[str]) -> Start | None:
+    """The start method of ``lit-dist ARGV``'s loader workers if it will want a fork server for them, else None.
+    Guessed from the command line and its ``--config`` files; a wrong guess costs only time (an idle server, or
+    the start at the data module)."""
     if not argv or argv[0] not in LOADER_COMMANDS:
-        return False
+        return None
     try:
         workers, start = _workers_asked(argv[1:])
     except Exception:  # noqa: BLE001 - a config the real parse will report; the guess says nothing of it
-        return False
+        return None
     if workers == 0 or method(start) != "forkserver":
+        return None
+    return start
+
+
+def start_for_command(argv: list[str]) -> bool:
+    """At the very start of ``lit-dist`` (before Lightning's 4-second import), where its fork server cannot be a
+    fork of it (``can_fork_server``): start that server now if this command will want one, so that its own import
+    of the same modules runs beside ours instead of after them (a 2-step quickstart: 10.8 s -> 7.1 s on 2 cores).
+    True if it started one."""
+    start = server_for_command(argv)
+    if start is None:
         return False
     start_early(start)
     return True
+
+
+def can_fork_server() -> bool:
+    """Whether this Python's fork server can be made a fork of this process (``fork_server_here``): the versions
+    whose ``multiprocessing.forkserver`` this module knows, which are the ones where ``auto`` picks it."""
+    return sys.version_info[:2] in ((3, 10), (3, 11))
+
+
+def fork_server_here() -> bool:
+    """Make this process's fork server a fork of this process, now: after its imports (the server and every
+    worker forked from it share them) and before it starts a thread (with one other Python thread, the fork could
+    deadlock as described above). Falls back to a server in a new interpreter (``start_early``) where another
+    Python thread already runs. True if the server is a fork of this process."""
+    for module in _PRELOAD[1:]:  # what workers unpickle: imported once, here, instead of in every worker
+        importlib.import_module(module)
+    if not can_fork_server() or threading.active_count() != 1:
+        start_early("forkserver")
+        return False
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    server = forkserver._forkserver
+    with _stop_signals_blocked():
+        resource_tracker.ensure_running()  # workers report their semaphores to the rank's tracker, as before
+    with server._lock:
+        if server._forkserver_pid is not None:
+            return False
+        parent = os.getpid()
+        # What ForkServer.ensure_running does, with os.fork() where it starts a new interpreter.
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()  # every client holds the write end: EOF ends the server
+            try:
+                util._flush_std_streams()  # or the server's workers would print what is buffered here again
+                with _stop_signals_blocked():  # the mask goes through fork: server and workers keep it
+                    pid = os.fork()
+                    if pid == 0:
+                        _serve(listener.fileno(), alive_r, alive_w, parent)
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+            server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
+
+
+def _serve(listener_fd: int, alive_r: int, alive_w: int, parent: int) -> None:
+    """The forked fork server: multiprocessing's loop until every client is gone; never returns, and never runs
+    the rank's exit handlers or flushes its buffers (``os._exit``)."""
+    code = 1
+    try:
+        os.close(alive_w)
+        from multiprocessing import forkserver
+
+        from lit_dist.processes import die_with_parent
+
+        die_with_parent(parent)
+        forkserver.main(listener_fd, alive_r, [])
+    except SystemExit:  # how forkserver.main ends once the rank is gone
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - one line, then the same exit as a spawned server's failure
+        print(f"lit-dist: the loader workers' fork server of rank pid {parent} failed: {exc!r}", file=sys.stderr)
+    finally:
+        os._exit(code)
 
 
 def _workers_asked(args: list[str]) -> tuple[int | None, str]:

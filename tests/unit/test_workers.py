@@ -93,7 +93,7 @@ def test_a_data_module_left_at_its_defaults_starts_workers_as_the_early_start_as
     ("fit --config configs/quickstart.yaml", True), ("fit --config configs/quickstart.yaml --data.num_workers 0", False),
     ("cache --config configs/t2i_quickstart.yaml", True), ("report runs/x", False), ("fit --config missing.yaml", False),
 ])
-def test_lit_dist_starts_the_fork_server_before_importing_lightning_when_its_command_wants_workers(command, started):
+def test_the_early_start_of_a_fork_server_is_for_the_commands_that_want_workers_and_before_lightning(command, started):
     import subprocess
 
     code = ("import sys, multiprocessing.forkserver as f; from lit_dist.reading.workers import start_for_command; "
@@ -101,6 +101,53 @@ def test_lit_dist_starts_the_fork_server_before_importing_lightning_when_its_com
             "print(f._forkserver._forkserver_pid is not None, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(started), "False"]
+
+
+_SERVER_OF_THIS_PROCESS = """
+import os, sys, threading, time
+import multiprocessing.forkserver as f
+import torch  # as the rank has imported it by then
+from lit_dist.reading import workers
+
+
+def send_parent(conn):
+    conn.send(os.getppid())
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "thread":  # another Python thread runs: a fork could deadlock on this Python
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    forked = workers.fork_server_here()
+    server = f._forkserver._forkserver_pid
+    ctx = workers.context("forkserver")
+    mine, theirs = ctx.Pipe()
+    worker = ctx.Process(target=send_parent, args=(theirs,))
+    worker.start()
+    parent = mine.recv()
+    worker.join()
+    with open(f"/proc/{server}/cmdline") as a, open("/proc/self/cmdline") as b:
+        print(forked, parent == server, a.read() == b.read())
+"""
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not workers.can_fork_server(), reason="this Python's fork server is always a new interpreter")
+@pytest.mark.parametrize(("threads", "forked"), [("none", True), ("thread", False)])
+def test_the_fork_server_is_a_fork_of_the_rank_unless_another_thread_runs(tmp_path, threads, forked):
+    # A fork shares the rank's imports (its command line is the rank's); a new interpreter imports them again.
+    # Either ends with the process that made it.
+    import subprocess
+
+    from tests.helpers.processes import finish, left_after
+
+    script = tmp_path / "server.py"
+    script.write_text(_SERVER_OF_THIS_PROCESS)
+    proc = subprocess.Popen([sys.executable, str(script), threads], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    code, out, err = finish(proc, timeout=120)
+    assert code == 0, err[-3000:]
+    assert out.split() == [str(forked), "True", str(forked)], err[-3000:]
+    assert left_after(proc.pid, 10) == {}
 
 
 _SIGNALLED_LOADER = """
