@@ -137,32 +137,32 @@ def fork_server_here() -> bool:
     from multiprocessing import connection, forkserver, resource_tracker, util
 
     server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        return False
     with _stop_signals_blocked():
         resource_tracker.ensure_running()  # workers report their semaphores to the rank's tracker, as before
-    with server._lock:
-        if server._forkserver_pid is not None:
-            return False
-        parent = os.getpid()
-        # What ForkServer.ensure_running does, with os.fork() where it starts a new interpreter.
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = connection.arbitrary_address("AF_UNIX")
-            listener.bind(address)
-            if not util.is_abstract_socket_namespace(address):
-                os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()  # every client holds the write end: EOF ends the server
-            try:
-                util._flush_std_streams()  # or the server's workers would print what is buffered here again
-                with _stop_signals_blocked():  # the mask goes through fork: server and workers keep it
-                    pid = os.fork()
-                    if pid == 0:
-                        _serve(listener.fileno(), alive_r, alive_w, parent)
-            except BaseException:
-                os.close(alive_w)
-                raise
-            finally:
-                os.close(alive_r)
-            server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    parent = os.getpid()
+    # What ForkServer.ensure_running does, with os.fork() where it starts a new interpreter; without its lock,
+    # which the server and its workers would inherit held (this is the only thread: nothing else can take it).
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # every client holds the write end: EOF ends the server
+        try:
+            util._flush_std_streams()  # or the server's workers would print what is buffered here again
+            with _stop_signals_blocked():  # the mask goes through fork: server and workers keep it
+                pid = os.fork()
+                if pid == 0:
+                    _serve(listener.fileno(), alive_r, alive_w, parent)
+        except BaseException:
+            os.close(alive_w)
+            raise
+        finally:
+            os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     return True
 
 
