@@ -134,6 +134,15 @@ def fork_server_here() -> bool:
     if not can_fork_server() or threading.active_count() != 1:
         start_early("forkserver")
         return False
+    try:
+        return _fork_server()
+    except OSError:  # no fork now (a process limit, no memory): try the usual start, whose failure is reported as before
+        start_early("forkserver")
+        return False
+
+
+def _fork_server() -> bool:
+    """``fork_server_here``'s fork: True once multiprocessing knows the forked server as this process's."""
     from multiprocessing import connection, forkserver, resource_tracker, util
 
     server = forkserver._forkserver
