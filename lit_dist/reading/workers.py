@@ -17,7 +17,7 @@ imported torch, Lightning and lit-dist instead of importing them again (4.1 s of
 their memory per rank, measured on the quickstart). Where that cannot be done (another Python thread already
 runs, a Python whose fork server this module does not know), the server is a new interpreter started by
 multiprocessing (fork-and-exec: no Python runs between the two) that imports them itself; ``lit-dist`` then
-starts it first thing, so that its import runs beside the rank's own, and a data module made outside
+starts it first thing (``__main__.py``), so that its import runs beside the rank's own, and a data module made outside
 ``lit-dist`` starts it when it is made. As with any start method but fork, a script that calls ``fit`` itself
 needs ``if __name__ == "__main__":`` (``lit-dist fit`` has it).
 
@@ -106,18 +106,6 @@ def server_for_command(argv: list[str]) -> Start | None:
     return start
 
 
-def start_for_command(argv: list[str]) -> bool:
-    """At the very start of ``lit-dist`` (before Lightning's 4-second import), where its fork server cannot be a
-    fork of it (``can_fork_server``): start that server now if this command will want one, so that its own import
-    of the same modules runs beside ours instead of after them (a 2-step quickstart: 10.8 s -> 7.1 s on 2 cores).
-    True if it started one."""
-    start = server_for_command(argv)
-    if start is None:
-        return False
-    start_early(start)
-    return True
-
-
 def can_fork_server() -> bool:
     """Whether this Python's fork server can be made a fork of this process (``fork_server_here``): the versions
     whose ``multiprocessing.forkserver`` this module knows, which are the ones where ``auto`` picks it."""
@@ -131,14 +119,13 @@ def fork_server_here() -> bool:
     Python thread already runs. True if the server is a fork of this process."""
     for module in _PRELOAD[1:]:  # what workers unpickle: imported once, here, instead of in every worker
         importlib.import_module(module)
-    if not can_fork_server() or threading.active_count() != 1:
-        start_early("forkserver")
-        return False
-    try:
-        return _fork_server()
-    except OSError:  # no fork now (a process limit, no memory): try the usual start, whose failure is reported as before
-        start_early("forkserver")
-        return False
+    if can_fork_server() and threading.active_count() == 1:
+        try:
+            return _fork_server()
+        except OSError:  # no fork now (a process limit, no memory): the usual start, whose failure is reported as before
+            pass
+    start_early("forkserver")  # a no-op where a server runs already
+    return False
 
 
 def _fork_server() -> bool:

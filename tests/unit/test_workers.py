@@ -96,8 +96,9 @@ def test_a_data_module_left_at_its_defaults_starts_workers_as_the_early_start_as
 def test_the_early_start_of_a_fork_server_is_for_the_commands_that_want_workers_and_before_lightning(command, started):
     import subprocess
 
-    code = ("import sys, multiprocessing.forkserver as f; from lit_dist.reading.workers import start_for_command; "
-            f"start_for_command({command.split()!r}); "
+    # What lit_dist/__main__.py does before its imports where the server cannot be a fork of the rank.
+    code = ("import sys, multiprocessing.forkserver as f; from lit_dist.reading import workers; "
+            f"start = workers.server_for_command({command.split()!r}); start is None or workers.start_early(start); "
             "print(f._forkserver._forkserver_pid is not None, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(started), "False"]
