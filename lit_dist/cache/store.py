@@ -251,12 +251,13 @@ class CacheStore:
         """Write one shard and its index (complete or absent); returns its manifest entry (``encoding``: how its
         values are stored, ``ShardWriter.encoding``)."""
         name = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:12]}"
-        shard = write_bytes_atomically(self.fs, self.path(field, "shards", f"{name}.arrow"), data)
+        # Through the page cache, unlike a checkpoint's files: every rank reads the shards in the next epoch.
+        shard = write_bytes_atomically(self.fs, self.path(field, "shards", f"{name}.arrow"), data, through_cache=True)
         entry = {"name": name, "fingerprint": fingerprint, "bytes": shard.size, "sha256": shard.sha256,
                  "raw_bytes": raw_bytes, "samples": samples, "entries": entries, **(encoding or {})}
         # The index carries the entry: the shard describes itself if the manifest is ever lost.
         listed = write_bytes_atomically(self.fs, self.path(field, "shards", f"{name}.index.arrow"),
-                                        described_index(index, entry))
+                                        described_index(index, entry), through_cache=True)
         return {**entry, "index_bytes": listed.size, "index_sha256": listed.sha256}
 
     def record_pending(self, field: str, build: str, rank: int, shards: list[dict]) -> None:

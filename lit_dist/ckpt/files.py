@@ -93,15 +93,16 @@ class DurableFile:
     and a sharded save 1.5x a bare torch.save (docs/benchmarks.md). A buffered write pays for page-cache pages and
     then for the kernel's write-back, both on the cores that train; a direct write is one copy into this buffer
     and a DMA. Where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6, some network filesystems; at open or
-    at the first write) the writes are buffered, and the kernel is asked to start writing pages out every
+    at the first write), and for a file read again soon (``through_cache``), the writes are buffered, and the kernel is asked to start writing pages out every
     ``_WRITEBACK_EVERY_BYTES`` so that the final fsync finds little left. Bytes reach the file as the buffer fills
     and at ``close()``, not at ``flush()``: a direct write cannot end mid-block. A with-block that raises closes
     the file unfinished.
     """
 
-    def __init__(self, path: str, buffer_bytes: int = _CHUNK):
+    def __init__(self, path: str, buffer_bytes: int = _CHUNK, through_cache: bool = False):
+        """``through_cache``: buffered on purpose, for a file read again soon (a cache shard every rank reads next)."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        self.fd, self.direct = None, bool(_O_DIRECT)
+        self.fd, self.direct = None, bool(_O_DIRECT) and not through_cache
         if self.direct:
             try:
                 self.fd = os.open(path, flags | _O_DIRECT, 0o666)
@@ -257,8 +258,10 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[HashingWriter], None]) -> FileEntry:
-    """Call ``write(file)`` so that ``path`` ends up complete or absent; returns its size and sha256."""
+def write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[HashingWriter], None],
+                     through_cache: bool = False) -> FileEntry:
+    """Call ``write(file)`` so that ``path`` ends up complete or absent; returns its size and sha256.
+    ``through_cache``: a local file is written through the page cache (``DurableFile``), to be read again soon."""
     if not is_local(fs):
         f = fs.open(path, "wb")
         uploaded = False
@@ -276,7 +279,7 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[
     tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
     renamed = False
     try:
-        with DurableFile(tmp) as f:
+        with DurableFile(tmp, through_cache=through_cache) as f:
             writer = HashingWriter(f)
             write(writer)
         os.replace(tmp, path)
@@ -299,8 +302,8 @@ def _throw_away(f) -> None:
     f.discard()
 
 
-def write_bytes_atomically(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> FileEntry:
-    return write_atomically(fs, path, lambda f: f.write(data))
+def write_bytes_atomically(fs: fsspec.AbstractFileSystem, path: str, data: bytes, through_cache: bool = False) -> FileEntry:
+    return write_atomically(fs, path, lambda f: f.write(data), through_cache)
 
 
 def hash_file(fs: fsspec.AbstractFileSystem, path: str, fsync: bool = False) -> FileEntry:

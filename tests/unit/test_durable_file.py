@@ -55,6 +55,40 @@ def test_a_durable_file_holds_exactly_what_was_written(tmp_path, small_fs, where
         assert f.direct
 
 
+def test_a_file_read_again_soon_is_written_through_the_cache(tmp_path):
+    data = random.Random(2).randbytes(70_000)
+    with DurableFile(str(tmp_path / "f"), buffer_bytes=16 << 10, through_cache=True) as f:
+        assert not f.direct and not _direct_flag_set(f.fileno())
+        f.write(data)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_cache_shards_are_written_through_the_cache_and_checkpoints_around_it(tmp_path, monkeypatch):
+    import pyarrow as pa
+
+    from lit_dist.cache.store import CacheStore
+
+    opened = []
+    real_init = DurableFile.__init__
+
+    def recording(self, path, *args, **kwargs):
+        real_init(self, path, *args, **kwargs)
+        opened.append((os.path.basename(path).split(".tmp-")[0], self.direct))
+
+    monkeypatch.setattr(DurableFile, "__init__", recording)
+    sink = pa.BufferOutputStream()
+    index = pa.table({"key": pa.array([], pa.string())})
+    with pa.ipc.new_file(sink, index.schema) as writer:
+        writer.write_table(index)
+    store = CacheStore(str(tmp_path / "cache"))
+    store.write_shard("pixels", "f" * 8, b"shard bytes", sink.getvalue().to_pybytes(), raw_bytes=11, samples=1,
+                      entries=1)
+    write_atomically(*files.filesystem(str(tmp_path / "state.ckpt")), lambda f: f.write(b"weights"))
+    shards = [direct for name, direct in opened if name.endswith(".arrow")]
+    assert shards == [False, False], opened
+    assert [direct for name, direct in opened if name == ".state.ckpt"] == [bool(getattr(os, "O_DIRECT", 0))], opened
+
+
 def test_where_the_filesystem_refuses_o_direct_at_open_the_file_is_written_buffered(tmp_path, monkeypatch):
     real_open = os.open
 
