@@ -93,10 +93,10 @@ class DurableFile:
     and a sharded save 1.5x a bare torch.save (docs/benchmarks.md). A buffered write pays for page-cache pages and
     then for the kernel's write-back, both on the cores that train; a direct write is one copy into this buffer
     and a DMA. Where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6, some network filesystems; at open or
-    at the first write), and for a file read again soon (``through_cache``), the writes are buffered, and the kernel is asked to start writing pages out every
-    ``_WRITEBACK_EVERY_BYTES`` so that the final fsync finds little left. Bytes reach the file as the buffer fills
-    and at ``close()``, not at ``flush()``: a direct write cannot end mid-block. A with-block that raises closes
-    the file unfinished.
+    at the first write), and for a file read again soon (``through_cache``), the writes are buffered, and the
+    kernel is asked to start writing pages out every ``_WRITEBACK_EVERY_BYTES`` so that the final fsync finds
+    little left. Bytes reach the file as the buffer fills and at ``close()``, not at ``flush()``: a direct write
+    cannot end mid-block. A with-block that raises closes the file unfinished.
     """
 
     def __init__(self, path: str, buffer_bytes: int = _CHUNK, through_cache: bool = False):
@@ -116,6 +116,7 @@ class DurableFile:
         self._view = memoryview(self._buffer)
         self._filled = 0  # bytes in the buffer
         self.size = 0  # bytes written into the file so far, the buffer's included
+        self._out = 0  # bytes handed to the kernel (a direct tail's padding included)
         self._synced = 0  # buffered: bytes the kernel was asked to write out
 
     def write(self, data) -> int:
@@ -156,11 +157,10 @@ class DurableFile:
             if self.direct and done < length and written % _ALIGN:
                 self._go_buffered()  # a short write left the offset mid-block
         self._filled = 0
-        if not self.direct and _SYNC_FILE_RANGE:
-            end = os.lseek(self.fd, 0, os.SEEK_CUR)
-            if end - self._synced >= _WRITEBACK_EVERY_BYTES:
-                _SYNC_FILE_RANGE(self.fd, self._synced, end - self._synced, _SYNC_FILE_RANGE_WRITE)
-                self._synced = end
+        self._out += length
+        if not self.direct and _SYNC_FILE_RANGE and self._out - self._synced >= _WRITEBACK_EVERY_BYTES:
+            _SYNC_FILE_RANGE(self.fd, self._synced, self._out - self._synced, _SYNC_FILE_RANGE_WRITE)
+            self._synced = self._out
 
     def _go_buffered(self) -> None:
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~_O_DIRECT)
@@ -173,7 +173,7 @@ class DurableFile:
         try:
             if self._filled:
                 self._drain()
-            if os.fstat(self.fd).st_size != self.size:  # the tail's padding
+            if self._out != self.size:  # the tail's padding
                 os.ftruncate(self.fd, self.size)
             os.fsync(self.fd)
         finally:
