@@ -24,8 +24,11 @@ machine losing power). An attempt killed without a word counts until its last re
 """
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
+
+log = logging.getLogger(__name__)
 
 CATEGORIES = ("train", "data_wait", "checkpoint", "validation", "sampling", "startup", "lost", "other")
 _RECORD = 64  # bytes of the last-step record: '{"step": N, "time": T}' padded with spaces
@@ -77,7 +80,12 @@ class Ledger:
 
 
 class Journal:
-    """Rank 0's record of one attempt in ``folder``: ``attempt-NNN.json`` and ``attempt-NNN.step``."""
+    """Rank 0's record of one attempt in ``folder``: ``attempt-NNN.json`` and ``attempt-NNN.step``.
+
+    A write that fails once the journal is made (a full disk: the checkpoint that just filled it) is said in one
+    warning, not raised: raised in rank 0 alone, it would leave the other ranks waiting in the next collective,
+    and the disk's own line comes from the next save, on every rank. Later writes still try: the whole file or
+    none, as before."""
 
     def __init__(self, folder: str, attempt: int, started: float, resumed_step: int | None,
                  total_steps: int | None = None):
@@ -87,16 +95,25 @@ class Journal:
         self.attempt = attempt
         self.info = {"attempt": attempt, "started": started, "resumed_step": resumed_step, "total_steps": total_steps,
                      "host": socket.gethostname(), "pid": os.getpid(), "first_batch": None, "saves": [], "ended": None}
+        self._warned = False  # a write failed, and the warning was given
         os.makedirs(folder, exist_ok=True)
         self._fd = os.open(self._path(".step"), os.O_WRONLY | os.O_CREAT, 0o644)
-        self._write_info()
+        try:
+            self._write_info_file()  # raised: no journal (see lit_dist.callbacks.progress)
+        except OSError:
+            os.close(self._fd)
+            raise
 
     def _path(self, suffix: str) -> str:
         return os.path.join(self.folder, f"attempt-{self.attempt:03d}{suffix}")
 
     def step(self, step: int, now: float) -> None:
         """Record the last finished optimizer step (every step: one pwrite, no fsync)."""
-        os.pwrite(self._fd, f'{{"step": {step}, "time": {now:.3f}}}'.ljust(_RECORD - 1).encode() + b"\n", 0)
+        record = f'{{"step": {step}, "time": {now:.3f}}}'.ljust(_RECORD - 1).encode() + b"\n"
+        try:
+            os.pwrite(self._fd, record, 0)  # in place: it goes on after the disk filled
+        except OSError as exc:
+            self._failed(exc)
 
     def first_batch(self, step: int, now: float) -> None:
         """Training began (start-up is over) at ``step``: with the last step, the speed of this attempt."""
@@ -114,11 +131,23 @@ class Journal:
         os.close(self._fd)
 
     def _write_info(self) -> None:
+        try:
+            self._write_info_file()
+        except OSError as exc:
+            self._failed(exc)
+
+    def _write_info_file(self) -> None:
         import fsspec
 
         from lit_dist.ckpt.files import write_bytes_atomically
 
         write_bytes_atomically(fsspec.filesystem("file"), self._path(".json"), json.dumps(self.info).encode())
+
+    def _failed(self, exc: OSError) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("lit-dist: cannot write the goodput journal %s (%s); training goes on, and `lit-dist "
+                        "report` counts this attempt as far as it was written", self._path(".json"), exc)
 
 
 def attempts(folder: str) -> list[dict]:

@@ -30,7 +30,7 @@ class TensorBoardLogger(LightningTensorBoardLogger):
     @rank_zero_experiment
     def experiment(self):
         if getattr(self, "_writer", None) is None:
-            self._writer = _WriterOnFirstUse(lambda: LightningTensorBoardLogger.experiment.fget(self))
+            self._writer = _WriterOnFirstUse(lambda: LightningTensorBoardLogger.experiment.fget(self), lambda: self.log_dir)
         return self._writer
 
     def __getstate__(self) -> dict:
@@ -58,19 +58,24 @@ class TensorBoardLogger(LightningTensorBoardLogger):
 
 
 class _WriterOnFirstUse:
-    """Stands for a SummaryWriter and makes it at the first use; flush and close before then do nothing. After a
-    write found the disk full (``full``), every call does nothing."""
+    """Stands for a SummaryWriter and makes it at the first use; flush and close before then do nothing. Once
+    making it or a write found the disk full (``full``), every call does nothing."""
 
-    def __init__(self, make):
-        self._make, self._writer = make, None
+    def __init__(self, make, log_dir):
+        self._make, self._log_dir, self._writer = make, log_dir, None
         self.full: OSError | None = None
 
     def __getattr__(self, name: str):
         if self._writer is None:
-            if name in ("flush", "close"):
-                return lambda *args, **kwargs: None
+            if name in ("flush", "close") or self.full is not None:
+                return _nothing
             _quiet_writer_threads()
-            self._writer = self._make()
+            try:
+                # The writer writes its events file's first record as it is made: on a full disk making it fails.
+                self._writer = self._make()
+            except Exception as exc:
+                self._stopped(exc, "making its events file")
+                return _nothing
         value = getattr(self._writer, name)
         return self._guarded(name, value) if callable(value) else value
 
@@ -81,14 +86,22 @@ class _WriterOnFirstUse:
             try:
                 return call(*args, **kwargs)
             except Exception as exc:
-                if (full := full_error(exc)) is None:
-                    raise
-                self.full = full
-                log.warning("lit-dist: TensorBoard stopped writing (%s in %s: %s); the run stops at the next "
-                            "exchange of the run control, exit 16", name, getattr(self._writer, "log_dir", "?"), full)
+                self._stopped(exc, name)
                 return None
 
         return guarded
+
+    def _stopped(self, exc: Exception, doing: str) -> None:
+        """Stop writing after ``exc`` if it says the disk is full (re-raised otherwise)."""
+        if (full := full_error(exc)) is None:
+            raise exc
+        self.full = full
+        log.warning("lit-dist: TensorBoard stopped writing (%s in %s: %s); the run stops at the next exchange of "
+                    "the run control, exit 16", doing, self._log_dir(), full)
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
 
 
 def _quiet_writer_threads() -> None:

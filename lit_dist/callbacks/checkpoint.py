@@ -56,7 +56,7 @@ from lit_dist import compat
 from lit_dist.ckpt import resume
 from lit_dist.ckpt.files import write_bytes_atomically
 from lit_dist.ckpt.io import AtomicCheckpointIO
-from lit_dist.ckpt.saver import Rotation, Saver
+from lit_dist.ckpt.saver import Rotation, Saver, summary
 from lit_dist.ckpt.state import rng_state, set_rng_state, start_rank_streams
 from lit_dist.ckpt.store import MARKER, PROBE, STATE, CheckpointStore
 from lit_dist.control import Agreed, Event, RunControl
@@ -423,15 +423,18 @@ class Checkpointing(Checkpoint):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         # Let a save in flight finish: it is complete or absent either way, but complete is better.
         # No collective here: the other ranks may be anywhere.
-        error = self.background_error(timeout_s=600)
-        if error is not None:
-            log.error("lit-dist: the background checkpoint save failed too: %s", error)
+        self._log_background_error("the background checkpoint save failed too")
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        error = self.background_error(timeout_s=600)  # None unless neither on_train_end nor on_exception waited
-        if error is not None:
-            log.error("lit-dist: the background checkpoint save failed: %s", error)
+        # Nothing to wait for unless neither on_train_end nor on_exception waited.
+        self._log_background_error("the background checkpoint save failed")
         CheckpointStore.wait_for_deletions()
+
+    def _log_background_error(self, what: str) -> None:
+        error = self.background_error(timeout_s=600)
+        if error is not None:
+            text, bug = summary(error)
+            log.error("lit-dist: %s: %s", what, text, exc_info=error if bug else None)
 
     # -- state --------------------------------------------------------------------------------
 

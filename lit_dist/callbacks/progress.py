@@ -299,10 +299,7 @@ class Progress(Callback):
 
         how = "preempted" if isinstance(exception, Preempted) else \
             f"failed (exit {int(getattr(exception, 'exit_code', ExitCode.FAILURE))}, {type(exception).__name__})"
-        try:
-            self._end(trainer, how)
-        except OSError as exc:  # a full disk, often the failure itself: the run's own error is the one to report
-            log.warning("lit-dist: could not close the goodput journal: %s", exc)
+        self._end(trainer, how)  # a journal that can no longer be written says so in a warning (goodput.Journal)
 
     def _end(self, trainer, how: str) -> None:
         """Rank 0: close the journal, print the goodput, log it."""

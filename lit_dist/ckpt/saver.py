@@ -390,6 +390,14 @@ def _in_background(work: Callable[[], None]) -> Future:
     return future
 
 
+def summary(error: BaseException) -> tuple[str, bool]:
+    """A save's error in one line for a log (the run ended for another reason, reported in its own line), and
+    whether it looks like a bug, whose traceback is worth printing with it. A sharded save's error holds every
+    rank's traceback in its text."""
+    kind, text = _described(error)
+    return text, kind == "bug"
+
+
 def _described(error: BaseException | None, rank_bytes: int = 0, folder: str | None = None) -> tuple[str, str] | None:
     """(kind, text) of a save's error for the other ranks: "full" (no space, no inodes, over quota: the
     strerror; or a short write while ``folder``'s filesystem has less room than this rank's ``rank_bytes``),

@@ -1,5 +1,7 @@
 """Goodput across requeues: the ledger in the checkpoint, the per-attempt journals, what restarts cost."""
 
+import contextlib
+import errno
 import re
 import signal
 
@@ -10,6 +12,7 @@ from lit_dist import goodput
 from lit_dist.ckpt.store import CheckpointStore
 from lit_dist.errors import ExitCode
 from tests.conftest import lit_dist, quickstart_args
+from tests.helpers.small_fs import tmpfs
 
 
 def test_a_journal_keeps_the_last_step_in_one_fixed_record_and_the_saves_and_end_in_json(tmp_path):
@@ -23,6 +26,30 @@ def test_a_journal_keeps_the_last_step_in_one_fixed_record_and_the_saves_and_end
     journal.ended("finished", 40, 141.0)
     (info,) = goodput.attempts(str(tmp_path))
     assert (info["last_step"], info["ended"]) == (40, "finished")
+
+
+def test_a_journal_on_a_disk_that_fills_stops_with_one_warning_and_keeps_what_it_wrote(tmp_path, caplog):
+    # The checkpoint that just filled the disk is announced to the journal (rank 0 alone): raising there would
+    # leave the other ranks waiting in the next collective; the next save says the disk is full, on every rank.
+    with contextlib.ExitStack() as stack:
+        small = stack.enter_context(tmpfs(tmp_path / "small", 64))
+        journal = goodput.Journal(str(small), 1, started=100.0, resumed_step=None)
+        journal.step(3, 103.0)
+        with pytest.raises(OSError) as filling:
+            (small / "filler").write_bytes(b"x" * 128 * 1024)
+        assert filling.value.errno == errno.ENOSPC
+        journal.saved(4, 104.0)
+        journal.saved(6, 106.0)
+        journal.step(7, 107.0)
+        warnings = [r.getMessage() for r in caplog.records if "goodput journal" in r.getMessage()]
+        assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+        (info,) = goodput.attempts(str(small))
+        assert info["saves"] == []  # as last written before the disk filled
+        assert (info["last_step"], info["last_time"]) == (7, 107.0)  # the step record is rewritten in place
+        (small / "filler").unlink()  # room again (the failed save removed): the end is written, with the saves
+        journal.ended("failed (exit 16, StorageFull)", 7, 107.5)
+        (info,) = goodput.attempts(str(small))
+        assert (info["saves"], info["ended"]) == ([[4, 104.0], [6, 106.0]], "failed (exit 16, StorageFull)")
 
 
 def test_losses_count_what_each_attempt_did_after_the_checkpoint_the_run_resumed_from():

@@ -119,3 +119,54 @@ def test_a_short_write_that_dcp_reported_without_its_cause_counts_as_full_only_o
     kind, text = _described(dcp, 300_000, str(tmp_path))
     assert kind == "storage" and "unexpected pos 704 vs 598" in text, text
     assert _described(RuntimeError("a bug"), 300_000, str(full))[0] == "bug"
+
+
+def test_tensorboard_first_used_on_a_full_disk_stops_writing_instead_of_raising(small_fs, caplog):
+    # What rank 0 of an FSDP2 run met in CI: the first value logged after a checkpoint had filled the disk, so the
+    # events file's first record did not fit while the writer was being made; Lightning turned that into a
+    # ValueError, rank 0 ended alone with it and the other rank never said why.
+    from lit_dist.tensorboard import TensorBoardLogger
+
+    full = small_fs("full", 64)
+    with pytest.raises(OSError) as filling:
+        (full / "filler").write_bytes(b"x" * 128 * 1024)
+    assert filling.value.errno == errno.ENOSPC
+    logger = TensorBoardLogger(save_dir=str(full), name="run", version="v")
+    logger.log_metrics({"data/bad_samples": 0.0}, step=4)
+    assert logger._full() is not None and logger._full().errno == errno.ENOSPC
+    assert "TensorBoard stopped writing (making its events file" in caplog.text, caplog.text
+    logger.log_metrics({"train/lr": 0.1}, step=5)  # nothing more: no second attempt, no error
+    logger.finalize("failed")
+    assert caplog.text.count("TensorBoard stopped writing") == 1, caplog.text
+
+
+def test_a_background_save_that_failed_as_the_run_ended_otherwise_is_logged_in_one_line(tmp_path, caplog):
+    # A sharded save's error holds every rank's traceback in its text: logged whole, a run stopped for another
+    # reason ended with two tracebacks under its one line.
+    from lit_dist.callbacks.checkpoint import Checkpointing
+    from lit_dist.ckpt.io import AtomicCheckpointIO
+    from lit_dist.ckpt.saver import Rotation, Saver, _in_background
+
+    enospc = raised(OSError(errno.ENOSPC, "No space left on device"))
+    summary = traceback.extract_tb(enospc.__traceback__)
+    dcp = CheckpointException("save failed", {0: (enospc, summary), 1: (enospc, summary)})
+    assert "Traceback" in str(dcp)
+    callback = Checkpointing(dirpath=str(tmp_path), async_save=True)
+    callback._saver = Saver(CheckpointStore(str(tmp_path)), AtomicCheckpointIO(), Rotation(), async_save=True)
+
+    def fail():
+        raise dcp
+
+    callback._saver._pending = _in_background(fail)
+    callback.on_exception(None, None, RuntimeError("the run's own error"))
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged == ["lit-dist: the background checkpoint save failed too: No space left on device"], logged
+    assert not any(r.exc_info for r in caplog.records)
+
+    def bug():
+        raise TypeError("a bug in the save")
+
+    callback._saver._pending = _in_background(bug)
+    callback.teardown(None, None, "fit")
+    assert caplog.records[-1].getMessage() == "lit-dist: the background checkpoint save failed: TypeError: a bug in the save"
+    assert caplog.records[-1].exc_info is not None  # a bug keeps its traceback
