@@ -16,6 +16,8 @@ import os
 import torch
 from lightning.pytorch import Callback
 
+from lit_dist.ckpt.space import full_error, room, room_text, size_text
+from lit_dist.errors import StorageFull
 from lit_dist.export import save_atomically, strip_prefix, to_full_precision
 
 
@@ -39,7 +41,24 @@ class ExportModel(Callback):
         if trainer.is_global_zero:
             run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
             self.path = os.path.join(run_dir, self.filename)
-            save_atomically(to_full_precision(strip_prefix(state)), self.path)
+            state = to_full_precision(strip_prefix(state))
+            try:
+                save_atomically(state, self.path)
+            except Exception as exc:
+                if full_error(exc) is None:
+                    raise
+                raise StorageFull(_did_not_fit(self.path, state, getattr(trainer.checkpoint_callback, "last_path", None),
+                                               full_error(exc))) from exc
+
+
+def _did_not_fit(path: str, state: dict, checkpoint: str | None, error: OSError) -> str:
+    """The one line of an export that found the disk full: training is done, so the fix is ``lit-dist export``
+    (a rerun of the finished run trains nothing and exports nothing)."""
+    size = size_text(sum(v.numel() * v.element_size() for v in state.values()))
+    source = checkpoint or "CHECKPOINTS_FOLDER"
+    return (f"the trained network ({size}) does not fit in {path} ({os.strerror(error.errno)}: "
+            f"{room_text(room(os.path.dirname(path)))}). Training is complete; free space there, then write it from "
+            f"{'its last checkpoint' if checkpoint else 'the newest checkpoint'}: lit-dist export {source} --output {path}")
 
 
 def full_state_dict(trainer, pl_module) -> dict:

@@ -102,6 +102,7 @@ class DurableFile:
     def __init__(self, path: str, buffer_bytes: int = _CHUNK, through_cache: bool = False):
         """``through_cache``: buffered on purpose, for a file read again soon (a cache shard every rank reads next)."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        self.path = path
         self.fd, self.direct = None, bool(_O_DIRECT) and not through_cache
         if self.direct:
             try:
@@ -128,7 +129,7 @@ class DurableFile:
             self._filled += k
             view = view[k:]
             if self._filled == len(self._view):
-                self._drain()
+                self._named(self._drain)
         self.size += n
         return n
 
@@ -171,13 +172,26 @@ class DurableFile:
         if self.fd is None:
             return
         try:
-            if self._filled:
-                self._drain()
-            if self._out != self.size:  # the tail's padding
-                os.ftruncate(self.fd, self.size)
-            os.fsync(self.fd)
+            self._named(self._finish)
         finally:
             self._release()
+
+    def _finish(self) -> None:
+        if self._filled:
+            self._drain()
+        if self._out != self.size:  # the tail's padding
+            os.ftruncate(self.fd, self.size)
+        os.fsync(self.fd)
+
+    def _named(self, work: Callable[[], None]) -> None:
+        """``work()``; its OSError names this file (os.write's and fsync's name none: a full disk's line would
+        not say which file did not fit)."""
+        try:
+            work()
+        except OSError as exc:
+            if exc.filename is None:
+                exc.filename = self.path
+            raise
 
     def _release(self) -> None:
         fd, self.fd = self.fd, None
@@ -284,11 +298,24 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[
             write(writer)
         os.replace(tmp, path)
         renamed = True
+    except Exception as exc:
+        _rename_in(exc, tmp, path)  # the name the user knows: the temporary one is removed below
+        raise
     finally:
         if not renamed and os.path.exists(tmp):  # whatever stopped it (a full disk, Ctrl-C), no temporary file stays
             os.unlink(tmp)
     fsync_dir(folder)
     return writer.entry()
+
+
+def _rename_in(exc: BaseException, old: str, new: str) -> None:
+    """Make the OSErrors in ``exc`` and its causes and contexts that name ``old`` name ``new``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.filename == old:
+            exc.filename = new
+        exc = exc.__cause__ or exc.__context__
 
 
 def _throw_away(f) -> None:

@@ -6,9 +6,11 @@ import os
 import random
 
 import pytest
+import torch
 
 from lit_dist.ckpt import files
 from lit_dist.ckpt.files import DurableFile, write_atomically
+from lit_dist.ckpt.space import full_error
 from tests.helpers.small_fs import mounter
 
 
@@ -153,5 +155,13 @@ def test_a_full_disk_raises_no_space_and_leaves_no_file_open(small_fs):
     with pytest.raises(OSError) as raised:
         write_atomically(*files.filesystem(str(small / "state.pt")), lambda f: f.write(os.urandom(1 << 20)))
     assert raised.value.errno == errno.ENOSPC, raised.value  # not a BufferError of a view left on the buffer
+    # os.write names no file: the line of a full disk must say which one did not fit, by the name the user knows.
+    assert raised.value.filename == str(small / "state.pt"), raised.value
     assert os.listdir(small) == []  # the temporary file is gone
     assert set(os.listdir("/proc/self/fd")) <= before
+    with pytest.raises(Exception) as raised:  # a torch.save into it: torch's error may hold the OSError
+        write_atomically(*files.filesystem(str(small / "model.pt")), lambda f: torch.save(torch.ones(1 << 18), f))
+    assert full_error(raised.value).filename == str(small / "model.pt"), raised.value
+    with pytest.raises(OSError) as raised, DurableFile(str(small / "shard")) as f:  # a sharded save's file
+        f.write(os.urandom(1 << 20))
+    assert (raised.value.errno, raised.value.filename) == (errno.ENOSPC, str(small / "shard"))

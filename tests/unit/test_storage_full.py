@@ -84,6 +84,29 @@ def test_a_first_checkpoint_that_does_not_fit_says_its_size_from_the_state_in_me
     assert list((small / "quickstart" / "full" / "checkpoints").iterdir()) == [], "the partial save stayed"
 
 
+@pytest.mark.process
+def test_an_export_that_does_not_fit_says_so_and_how_to_write_it_from_the_last_checkpoint(small_fs, tmp_path,
+                                                                                          demo_data):
+    # Training is complete when the export runs: a rerun of the finished run trains nothing and exports nothing,
+    # so the line gives the `lit-dist export` command, and that command works.
+    small = small_fs("small", 80)  # the run's logs fit, its 97 KB network does not
+    checkpoints = tmp_path / "checkpoints"
+    out = lit_dist("fit", *quickstart_args(small, demo_data, **{**RUN, "trainer__max_steps": 4}),
+                   "--checkpoint.dirpath", str(checkpoints), timeout=180)
+    assert out.returncode == ExitCode.STORAGE_FULL, out.stderr[-4000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-4000:]
+    model = small / "quickstart" / "full" / "model.pt"
+    line = re.fullmatch(re.escape(f"lit-dist: error: the trained network (97 KB) does not fit in {model} (No space "
+                                  f"left on device: the filesystem at {small} has ") + r"\d+ KB free\)\. Training is "
+                        r"complete; free space there, then write it from its last checkpoint: lit-dist export (\S+) "
+                        + re.escape(f"--output {model}"), errors[0])
+    assert line and line.group(1) == str(checkpoints / checkpoint_name(4)), errors[0]
+    assert not [p for p in model.parent.iterdir() if p.name.startswith((".model.pt", "model.pt"))], "a partial export"
+    exported = lit_dist("export", line.group(1), "--output", str(tmp_path / "model.pt"), timeout=120)
+    assert exported.returncode == 0 and (tmp_path / "model.pt").stat().st_size > 90_000, exported.stderr[-3000:]
+
+
 def raised(exc: BaseException) -> BaseException:
     try:
         raise exc
