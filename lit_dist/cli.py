@@ -34,12 +34,14 @@ class LitDistCLI(LightningCLI):
         from lightning.pytorch import LightningDataModule
 
         from lit_dist.module import LitModel
+        from lit_dist.saved_config import SaveConfig
 
         argv = sys.argv[1:] if args is None else args
         # In subclass mode `--help` would hide every model and data knob behind `--model.help CLASS`;
         # for help only, parse the default classes directly so that all knobs are listed.
         show_all = any(a in ("-h", "--help") for a in argv)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # a rerun never aborts on config.yaml
+        kwargs.setdefault("save_config_callback", SaveConfig)  # a config.yaml that cannot be written: every rank ends
         # exit_on_error=False: main() turns parse errors into one line instead of a usage wall.
         kwargs["parser_kwargs"] = {"exit_on_error": False, "description": "lit-dist: training from one YAML file.",
                                    **kwargs.get("parser_kwargs", {})}

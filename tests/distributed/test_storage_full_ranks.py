@@ -104,3 +104,21 @@ def test_ddp_tensorboard_events_that_no_longer_fit_stop_every_rank_with_exit_16(
     assert f"TensorBoard events no longer fit in {small / 'quickstart' / 'full'}" in errors[0], errors[0]
     assert "Traceback" not in out.stderr, out.stderr[-4000:]
     assert not left, left
+
+
+def test_a_run_directory_full_from_the_start_ends_every_rank_with_the_same_line(small_fs, demo_data):
+    # Lightning writes config.yaml on rank 0, then broadcasts: rank 0 raised alone, and rank 1 ended with a dump of
+    # C++ frames and a line blaming rank 0 for going away.
+    small = small_fs("small", 16)
+    with pytest.raises(OSError):
+        (small / "filler").write_bytes(b"\0" * 32 * 1024)
+    out, left = run(small, demo_data, trainer__strategy="ddp")
+    assert out.returncode == 16, out.stderr[-4000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    config = small / "quickstart" / "full" / "config.yaml"
+    assert len(errors) == 2 and len(set(errors)) == 1, (errors, out.stderr[-3000:])
+    assert errors[0].startswith(f"lit-dist: error: No space left on device writing {config} (the filesystem at "
+                                f"{small} has 0 bytes free)"), errors[0]
+    assert "Traceback" not in out.stderr and "frame #" not in out.stderr, out.stderr[-4000:]
+    assert not config.exists(), "a truncated config.yaml was left"
+    assert not left, left
