@@ -18,7 +18,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lit_dist.commands import COMMANDS, NAMES, usage
 from lit_dist.errors import ConfigError, ExitCode, LitDistError, explain_parse_error
-from lit_dist.run import RunConfig, run_dir
+from lit_dist.run import RunConfig, check_writable, run_dir
 
 MODEL = "lit_dist.module.LitModel"
 DATA = "lit_dist.data.datamodule.BucketDataModule"
@@ -29,6 +29,8 @@ class LitDistCLI(LightningCLI):
 
     Both accept a ``class_path`` to use a subclass or any LightningModule / LightningDataModule.
     """
+
+    writes_run_dir = True  # fit, validate, test, predict: its logs, config, checkpoints and hang files
 
     def __init__(self, args: list[str] | None = None, **kwargs):
         from lightning.pytorch import LightningDataModule
@@ -131,6 +133,8 @@ class LitDistCLI(LightningCLI):
                               f"{{run.root_dir}}/{{run.name}}/{{run.run_id}} (here {path}). Remove "
                               f"trainer.default_root_dir and set run.root_dir (e.g. --run.root_dir {given}) instead.")
         config.trainer.default_root_dir = path
+        if self.writes_run_dir:
+            check_writable(path)  # on every process: each writes its own files there
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
         from lit_dist.launch import apply_launch_layout
@@ -220,6 +224,8 @@ class LitDistCLI(LightningCLI):
 class RunConfigCLI(LitDistCLI):
     """Parses a run config and builds the model and data module, but no Trainer: nothing touches a GPU.
     ``instantiate_trainer()`` builds the Trainer for a command that needs one."""
+
+    writes_run_dir = False  # `lit-dist sample` of a checkpoint in a read-only folder, say
 
     def add_arguments_to_parser(self, parser) -> None:
         super().add_arguments_to_parser(parser)

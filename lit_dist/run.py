@@ -77,6 +77,29 @@ def run_dir(config: RunConfig, environ: dict | None = None) -> tuple[str, str]:
     return run_id, os.path.join(config.root_dir, config.name, run_id)
 
 
+def check_writable(path: str) -> None:
+    """Refuse in one line (ConfigError) a run directory ``path`` that this process cannot make or write: a
+    read-only filesystem, another user's folder, a file on the way. Every rank writes its own files there while
+    it sets up (its hang file): one failing there mid-setup would leave the others waiting for it."""
+    folder = os.path.abspath(path)
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        why = "is not a folder"
+    elif os.access(folder, os.W_OK | os.X_OK):
+        return
+    else:
+        try:
+            read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+    from lit_dist.errors import ConfigError
+
+    raise ConfigError(f"run.root_dir: the run directory {path} cannot be made or written here: {folder} {why}. Set "
+                      "--run.root_dir to a folder this user can write (on several nodes, one they share)")
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux), to 10 ms: e.g. how long a restart took."""
     try:

@@ -22,10 +22,10 @@ RUN = {"run__run_id": "full", "trainer__max_steps": 10, "checkpoint__every_n_ste
 
 
 @contextmanager
-def tmpfs(path: Path, size_kb: int, inodes: int | None = None) -> Iterator[Path]:
+def tmpfs(path: Path, size_kb: int, inodes: int | None = None, read_only: bool = False) -> Iterator[Path]:
     """A tmpfs of ``size_kb`` KiB (and at most ``inodes`` files and folders, its root included) at ``path``."""
     path.mkdir(parents=True, exist_ok=True)
-    options = f"size={size_kb}k" + (f",nr_inodes={inodes}" if inodes else "")
+    options = f"size={size_kb}k" + (f",nr_inodes={inodes}" if inodes else "") + (",ro" if read_only else "")
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}")

@@ -12,8 +12,9 @@ from lit_dist.cli import LitDistCLI
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, ExitCode
 from lit_dist.module import LitModel
-from lit_dist.run import RunConfig, resolve_run_id
+from lit_dist.run import RunConfig, check_writable, resolve_run_id
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
+from tests.helpers.small_fs import tmpfs
 
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 
@@ -188,6 +189,32 @@ def test_run_id_is_shared_by_child_processes_and_follows_slurm():
     launched = resolve_run_id(None, {"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "none"})
     assert re.fullmatch(rf"torchrun-\d{{8}}-\d{{6}}-{os.getppid()}", launched)
     assert resolve_run_id(None, {"LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "none"}) == launched
+
+
+def test_a_run_directory_that_cannot_be_written_is_refused_in_one_line(tmp_path):
+    # Each rank writes its own files there while it sets up (its hang file): rank 1 failed there with a traceback
+    # and rank 0 said only that rank 1 had ended with exit 1.
+    with tmpfs(tmp_path / "ro", 64, read_only=True) as ro:
+        with pytest.raises(ConfigError) as refused:
+            check_writable(str(ro / "exp" / "r1"))
+        assert str(refused.value) == (f"run.root_dir: the run directory {ro / 'exp' / 'r1'} cannot be made or written "
+                                      f"here: {ro} is on a read-only filesystem. Set --run.root_dir to a folder this "
+                                      "user can write (on several nodes, one they share)")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'file'} is not a folder"):
+        check_writable(str(tmp_path / "file" / "exp" / "r1"))
+    check_writable(str(tmp_path / "new" / "exp" / "r1"))  # made later, by whoever writes first
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.process
+def test_fit_into_a_read_only_run_directory_on_two_processes_is_one_line_and_exit_2(tmp_path, demo_data):
+    with tmpfs(tmp_path / "ro", 64, read_only=True) as ro:
+        out = lit_dist("fit", *quickstart_args(ro, demo_data, trainer__devices=2, trainer__max_steps=2))
+    assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert len(errors) == 1 and "is on a read-only filesystem" in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
 @pytest.mark.process
