@@ -16,7 +16,9 @@ from lit_dist.errors import LitDistError, StorageFull
 
 
 class SaveConfig(SaveConfigCallback):
-    """Writes ``config.yaml`` into the run directory (rank 0); a failed write is agreed on and raised on every rank."""
+    """Writes ``config.yaml`` into the run directory (rank 0); a failed write is agreed on and raised on every rank.
+    lit-dist overwrites the file of an earlier attempt (``save_config_kwargs``), so Lightning's check that it does
+    not exist is left out."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.already_saved:
@@ -26,8 +28,10 @@ class SaveConfig(SaveConfigCallback):
         if trainer.is_global_zero:
             path = os.path.join(log_dir, self.config_filename)
             try:
-                get_filesystem(log_dir).makedirs(log_dir, exist_ok=True)
-                self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite, multifile=self.multifile)
+                if self.save_to_log_dir:
+                    get_filesystem(log_dir).makedirs(log_dir, exist_ok=True)
+                    self.parser.save(self.config, path, skip_none=False, overwrite=self.overwrite,
+                                     multifile=self.multifile)
                 self.save_config(trainer, pl_module, stage)
             except OSError as exc:
                 if exc.filename is None:  # a write's error names no file
