@@ -153,6 +153,7 @@ def _make_nodes(folder: Path, nodes: int) -> None:
     hosts = folder / "hosts"
     hosts.write_text("127.0.0.1 localhost\n" + f"{SUBNET}.1 {host}\n"
                      + "".join(f"{SUBNET}.{10 + i} node{i}\n" for i in range(1, nodes + 1)))
+    _remove_nodes(nodes)  # what a killed test session left: it never reached its teardown
     _sh("ip", "link", "add", BRIDGE, "type", "bridge")
     _sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
     _sh("ip", "link", "set", BRIDGE, "up")
@@ -221,11 +222,16 @@ def stop(folder: Path) -> None:
         pid_file.unlink(missing_ok=True)
     nodes_file = folder / "nodes"
     if nodes_file.exists():
-        for i in range(1, int(nodes_file.read_text()) + 1):
-            subprocess.run(["ip", "netns", "del", f"ldnode{i}"], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"ldv{i}"], capture_output=True)
-        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+        _remove_nodes(int(nodes_file.read_text()))
         nodes_file.unlink()
+
+
+def _remove_nodes(nodes: int) -> None:
+    """Remove the bridge and the nodes' namespaces and links, where they exist."""
+    for i in range(1, nodes + 1):
+        subprocess.run(["ip", "netns", "del", f"ldnode{i}"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"ldv{i}"], capture_output=True)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
 
 
 def main() -> None:
