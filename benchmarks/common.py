@@ -8,9 +8,12 @@ import resource
 import signal
 import subprocess
 import time
+import uuid
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule
+
+from lit_dist.processes import tagged
 
 
 class InMemoryData(LightningDataModule):
@@ -69,30 +72,32 @@ SHORT_HELP = "a quick run that checks the benchmark works; its figures mean noth
 # Each command's limit: a hung run is one error with its processes' stacks, not a benchmark that never ends.
 # tests/process/test_benchmarks.py lowers it for the short runs.
 COMMAND_TIMEOUT_S = float(os.environ.get("LIT_DIST_BENCH_COMMAND_TIMEOUT_S", 7200))
+TAG_ENV = "LIT_DIST_BENCH_TAG"  # in the environment of every process a benchmark command starts
 
 
 def run_bench(cmd: list[str], env: dict | None = None) -> dict:
     """Run a benchmark command from the repository root (``env``: variables added to this one's): its ``BENCH``
     lines merged, and ``to_first_step_s`` where the run reports its first step. RuntimeError with its output if it
     fails or outlives ``COMMAND_TIMEOUT_S``."""
-    env = {**os.environ, **(env or {}), "PYTHONFAULTHANDLER": "1",
+    # Every process the command starts carries the tag, whatever its session: torchrun starts each worker in a
+    # session of its own, where a signal to the command's group does not reach it.
+    tag = uuid.uuid4().hex
+    env = {**os.environ, **(env or {}), "PYTHONFAULTHANDLER": "1", TAG_ENV: tag,
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     started = time.time()
-    # Its own session, so that on a hang every process of it (launcher, ranks, workers) is reached at once.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=COMMAND_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)  # with PYTHONFAULTHANDLER, each Python process writes its stacks
+        _abort_one_by_one(tagged(TAG_ENV, tag))
         try:
             stderr = proc.communicate(timeout=30)[1]
         except subprocess.TimeoutExpired:
             stderr = "(none: its processes did not end within 30 s of SIGABRT)"
-        with contextlib.suppress(ProcessLookupError):  # the group is empty once every process ended
-            os.killpg(proc.pid, signal.SIGKILL)
+        _signal(tagged(TAG_ENV, tag), signal.SIGKILL)
         proc.wait()
-        _wait_until_gone(proc.pid)
+        _wait_until_gone(tag)
         raise RuntimeError(f"{' '.join(cmd)} hung for {COMMAND_TIMEOUT_S:.0f} s; its stacks:\n{stderr[-12000:]}") from None
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
@@ -102,26 +107,35 @@ def run_bench(cmd: list[str], env: dict | None = None) -> dict:
     return result
 
 
-def _wait_until_gone(group: int, timeout_s: float = 10.0) -> None:
-    """Wait (up to ``timeout_s``) until no live process is left in process group ``group``: a process that got
-    SIGKILL is still exiting for a moment after its pipes closed (zombies, waiting for their reaper, count as
-    gone)."""
+def _abort_one_by_one(pids: list[int], wait_s: float = 2.0) -> None:
+    """SIGABRT each process, then wait (up to ``wait_s``) for it to end: with PYTHONFAULTHANDLER each writes its
+    stacks, whole, not interleaved with another's in the pipe they share."""
+    for pid in pids:
+        _signal([pid], signal.SIGABRT)
+        deadline = time.monotonic() + wait_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+            os.kill(pid, sig)
+
+
+def _wait_until_gone(tag: str, timeout_s: float = 10.0) -> None:
+    """Wait (up to ``timeout_s``) until no live process carries ``tag``: a process that got SIGKILL is still
+    exiting for a moment after its pipes closed (zombies, waiting for their reaper, count as gone)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        live = False
-        for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == group and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-                live = True
-                break
-        if not live:
-            return
+    while tagged(TAG_ENV, tag) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

@@ -55,6 +55,28 @@ class ProcessDied(LitDistError):
     exit_code = ExitCode.PROCESS_DIED
 
 
+def tagged(name: str, value: str) -> list[int]:
+    """The live processes (Linux) started with ``name=value`` in their environment: everything a command started,
+    in whatever session (torchrun starts each worker in a session of its own) and whoever its parent is now.
+    For whoever runs lit-dist as a child and must reach all of it (a benchmark, a test)."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended, waiting for its parent to reap it
+                    continue
+        except (OSError, IndexError):
+            continue  # ended while we looked, or another user's
+        found.append(int(entry))
+    return found
+
+
 def die_with_parent(parent: int | None = None) -> bool:
     """Have the kernel SIGKILL this process when its parent ends (Linux); False where it cannot.
 

@@ -2,15 +2,18 @@
 process. A test that starts any process (``lit_dist`` below, subprocess, fork, loader workers, a tool) is
 marked ``process``, or ``distributed`` for several ranks."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 from lit_dist import compat
+from lit_dist.processes import tagged
 
 # In-process trainers get the console the lit-dist command line sets up (TQDM and the plain model summary, with
 # or without rich installed).
@@ -19,8 +22,9 @@ compat.plain_console()
 # Before any helper is imported: then a failed assert in tests/helpers/ shows its operands, as in a test module.
 pytest.register_assert_rewrite("tests.helpers")
 
-from tests.helpers.processes import left_after  # noqa: E402
+from tests.helpers.processes import left_after, session_processes  # noqa: E402
 
+RUN_TAG_ENV = "LIT_DIST_TEST_RUN"  # in the environment of every process a test's run starts
 LEFT_BOUND_S = 10.0  # docs/slurm.md, "A rank that hangs": every process of a run is gone this long after the job exits
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -69,6 +73,9 @@ def run_module(module: str, *args: str, cwd: Path | None = None, timeout: float 
     processes; fails the test if any of them outlives it."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}
     clean["PYTHONFAULTHANDLER"] = "1"  # a process killed by SIGABRT first writes every thread's stack
+    # Every process of the run carries the tag, also those a launcher starts in sessions of their own (torchrun).
+    tag = (RUN_TAG_ENV, uuid.uuid4().hex)
+    clean[tag[0]] = tag[1]
     clean.update(env or {})
     name = "lit-dist" if module == "lit_dist" else module
     # Its own session: on a hang, every process of the run (ranks, loader workers) can be reached at once.
@@ -77,19 +84,26 @@ def run_module(module: str, *args: str, cwd: Path | None = None, timeout: float 
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
+        _signal_run(proc.pid, tag, signal.SIGABRT)
         try:
             stdout, stderr = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal_run(proc.pid, tag, signal.SIGKILL)
             stdout, stderr = proc.communicate()
         pytest.fail(f"`{name} {' '.join(args)}` hung for {timeout} s; the stacks of its processes:\n{stderr[-20000:]}")
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     done.pid = proc.pid  # its session's id: tests.helpers.processes finds what the run left behind by it
-    if left := left_after(proc.pid, LEFT_BOUND_S):  # whatever the exit, nothing of the run may remain
+    if left := left_after(proc.pid, LEFT_BOUND_S, tag):  # whatever the exit, nothing of the run may remain
         pytest.fail(f"`{name} {' '.join(args)}` exited {proc.returncode} and left {len(left)} processes "
                     f"{LEFT_BOUND_S:.0f} s later: {left}\n{stderr[-3000:]}")
     return done
+
+
+def _signal_run(sid: int, tag: tuple[str, str], sig: int) -> None:
+    """``sig`` to every process of a run: its session, and whatever carries its tag elsewhere."""
+    for pid in {*session_processes(sid), *tagged(*tag)}:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def quickstart_args(root_dir: Path | None = None, metadata: Path | None = None, *configs: Path, **overrides) -> list[str]:

@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+from lit_dist.processes import tagged
+
 
 def session_processes(sid: int) -> dict[int, str]:
     """{pid: command line} of the live (not zombie) processes of session ``sid``."""
@@ -25,20 +27,32 @@ def session_processes(sid: int) -> dict[int, str]:
     return found
 
 
-def left_after(sid: int, bound_s: float) -> dict[int, str]:
-    """The processes of session ``sid`` still alive ``bound_s`` seconds from now (checked until then), then
-    SIGKILLs them so that one failing test leaves nothing to the next."""
+def left_after(sid: int, bound_s: float, tag: tuple[str, str] | None = None) -> dict[int, str]:
+    """The processes of session ``sid`` (and those started with the environment variable ``tag``, (name, value),
+    in whatever session: torchrun starts each worker in a session of its own) still alive ``bound_s`` seconds from
+    now (checked until then), then SIGKILLs them so that one failing test leaves nothing to the next."""
     deadline = time.monotonic() + bound_s
-    left = session_processes(sid)
+    left = _run_processes(sid, tag)
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = session_processes(sid)
+        left = _run_processes(sid, tag)
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     return left
+
+
+def _run_processes(sid: int, tag: tuple[str, str] | None) -> dict[int, str]:
+    found = session_processes(sid)
+    for pid in tagged(*tag) if tag else []:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found.setdefault(pid, f.read().replace(b"\0", b" ").decode(errors="replace").strip())
+        except OSError:
+            continue  # ended while we looked
+    return found
 
 
 def finish(proc, timeout: float = 300):

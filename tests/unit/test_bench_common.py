@@ -9,16 +9,19 @@ from benchmarks import common
 
 
 @pytest.mark.process
-def test_a_hung_command_ends_with_its_stacks_and_leaves_no_process(monkeypatch, tmp_path):
+@pytest.mark.parametrize("own_session", [False, True], ids=["same-session", "own-session"])
+def test_a_hung_command_ends_with_its_stacks_and_leaves_no_process(own_session, monkeypatch, tmp_path):
     # Long enough for both interpreters to start on a loaded 2-core CI machine: a child killed before its
     # faulthandler is installed writes no stacks (seen once in CI with 2 s and no hand-shake).
     monkeypatch.setattr(common, "COMMAND_TIMEOUT_S", 6)
     pidfile, ready = tmp_path / "child.pid", tmp_path / "child.ready"
-    # A launcher and the process it starts (as torchrun and its ranks), both waiting for ever; the launcher
-    # waits until its child runs Python code (its faulthandler is on by then).
+    # A launcher and the process it starts (as torchrun and its ranks, each in a session of its own: a signal to
+    # the launcher's group did not reach them, and a hung plain_ddp rank outlived bench_ddp's short run in a
+    # suite), both waiting for ever; the launcher waits until its child runs Python code (its faulthandler is on
+    # by then).
     child = f"import time; open({str(ready)!r}, 'w'); time.sleep(600)"
     code = ("import os, subprocess, sys, time; "
-            f"child = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+            f"child = subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session={own_session}); "
             f"[time.sleep(0.01) for _ in iter(lambda: os.path.exists({str(ready)!r}), True)]; "
             f"open({str(pidfile)!r}, 'w').write(str(child.pid)); time.sleep(600)")
     with pytest.raises(RuntimeError, match=r"hung for 6 s; its stacks:\n.*Fatal Python error: Aborted") as err:

@@ -155,3 +155,23 @@ def test_a_worker_killed_while_its_batch_is_handed_over_is_named_too():
     assert err is not None and err.exit_code == ExitCode.PROCESS_DIED, err
     assert str(err).startswith(f"rank 1: data loader worker (pid {worker.pid}) was killed by SIGKILL"), err
     assert worker_death(ConnectionResetError(104, "Connection reset by peer"), rank=1) is None  # not a loader's
+
+
+@pytest.mark.process
+def test_a_process_started_in_a_session_of_its_own_is_found_by_its_tag_and_killed():
+    # torchrun starts each worker in a session of its own: the tests' check of what a run left behind went by the
+    # run's session alone, and a hung plain_ddp rank outlived its benchmark unseen.
+    from lit_dist.processes import tagged
+    from tests.helpers.processes import left_after
+
+    tag = ("LIT_DIST_TEST_RUN", f"t{os.getpid()}")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+                             env={**os.environ, tag[0]: tag[1]})
+    try:
+        assert tagged(*tag) == [child.pid]
+        left = left_after(-1, 0.5, tag)  # no session: found by its tag alone
+        assert child.pid in left and "time.sleep(600)" in left[child.pid], left
+        assert child.wait(timeout=10) == -signal.SIGKILL  # left_after kills what it finds
+        assert tagged(*tag) == []
+    finally:
+        child.kill()
