@@ -55,10 +55,12 @@ def _did_not_fit(path: str, state: dict, checkpoint: str | None, error: OSError)
     """The one line of an export that found the disk full: training is done, so the fix is ``lit-dist export``
     (a rerun of the finished run trains nothing and exports nothing)."""
     size = size_text(sum(v.numel() * v.element_size() for v in state.values()))
-    source = checkpoint or "CHECKPOINTS_FOLDER"
-    return (f"the trained network ({size}) does not fit in {path} ({os.strerror(error.errno)}: "
-            f"{room_text(room(os.path.dirname(path)))}). Training is complete; free space there, then write it from "
-            f"{'its last checkpoint' if checkpoint else 'the newest checkpoint'}: lit-dist export {source} --output {path}")
+    head = (f"the trained network ({size}) does not fit in {path} ({os.strerror(error.errno)}: "
+            f"{room_text(room(os.path.dirname(path)))}). ")
+    if checkpoint is None:
+        return head + "This run wrote no checkpoint to write it from: free space there and run it again"
+    return (head + f"Training is complete; free space there, then write it from its last checkpoint: lit-dist export "
+            f"{checkpoint} --output {path}")
 
 
 def full_state_dict(trainer, pl_module) -> dict:

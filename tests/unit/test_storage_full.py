@@ -193,3 +193,15 @@ def test_a_background_save_that_failed_as_the_run_ended_otherwise_is_logged_in_o
     callback.teardown(None, None, "fit")
     assert caplog.records[-1].getMessage() == "lit-dist: the background checkpoint save failed: TypeError: a bug in the save"
     assert caplog.records[-1].exc_info is not None  # a bug keeps its traceback
+
+
+def test_an_export_that_does_not_fit_in_a_run_without_checkpoints_says_there_is_none_to_write_it_from(tmp_path):
+    import torch
+
+    from lit_dist.callbacks.export import _did_not_fit
+
+    line = _did_not_fit(str(tmp_path / "model.pt"), {"w": torch.ones(250)}, None, OSError(errno.ENOSPC, "full"))
+    assert line.startswith(f"the trained network (1000 bytes) does not fit in {tmp_path / 'model.pt'} (No space "
+                           "left on device: the filesystem at "), line
+    assert line.endswith("This run wrote no checkpoint to write it from: free space there and run it again"), line
+    assert "lit-dist export" not in line
