@@ -201,7 +201,7 @@ def test_an_export_that_does_not_fit_in_a_run_without_checkpoints_says_there_is_
     from lit_dist.callbacks.export import _did_not_fit
 
     line = _did_not_fit(str(tmp_path / "model.pt"), {"w": torch.ones(250)}, None, OSError(errno.ENOSPC, "full"))
-    assert line.startswith(f"the trained network (1000 bytes) does not fit in {tmp_path / 'model.pt'} (No space "
+    assert line.startswith(f"the trained network (1 KB) does not fit in {tmp_path / 'model.pt'} (No space "
                            "left on device: the filesystem at "), line
     assert line.endswith("This run wrote no checkpoint to write it from: free space there and run it again"), line
     assert "lit-dist export" not in line
