@@ -13,7 +13,7 @@ import uuid
 import torch
 from lightning.pytorch import Callback, LightningDataModule
 
-from lit_dist.processes import tagged
+from lit_dist.processes import alive, tagged
 
 
 class InMemoryData(LightningDataModule):
@@ -113,16 +113,8 @@ def _abort_one_by_one(pids: list[int], wait_s: float = 2.0) -> None:
     for pid in pids:
         _signal([pid], signal.SIGABRT)
         deadline = time.monotonic() + wait_s
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _signal(pids: list[int], sig: int) -> None:

@@ -68,13 +68,20 @@ def tagged(name: str, value: str) -> list[int]:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 if needle not in f.read().split(b"\0"):
                     continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended, waiting for its parent to reap it
-                    continue
-        except (OSError, IndexError):
+        except OSError:
             continue  # ended while we looked, or another user's
-        found.append(int(entry))
+        if alive(int(entry)):
+            found.append(int(entry))
     return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (Linux): a zombie, ended and waiting for its parent to reap it, does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def die_with_parent(parent: int | None = None) -> bool:

@@ -45,10 +45,10 @@ class ExportModel(Callback):
             try:
                 save_atomically(state, self.path)
             except Exception as exc:
-                if full_error(exc) is None:
+                if (full := full_error(exc)) is None:
                     raise
-                raise StorageFull(_did_not_fit(self.path, state, getattr(trainer.checkpoint_callback, "last_path", None),
-                                               full_error(exc))) from exc
+                last = getattr(trainer.checkpoint_callback, "last_path", None)
+                raise StorageFull(_did_not_fit(self.path, state, last, full)) from exc
 
 
 def _did_not_fit(path: str, state: dict, checkpoint: str | None, error: OSError) -> str:

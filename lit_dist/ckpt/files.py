@@ -31,6 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from lit_dist import outage
+from lit_dist.ckpt.space import os_errors
 
 T = TypeVar("T")
 
@@ -309,13 +310,10 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, write: Callable[[
 
 
 def _rename_in(exc: BaseException, old: str, new: str) -> None:
-    """Make the OSErrors in ``exc`` and its causes and contexts that name ``old`` name ``new``."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.filename == old:
-            exc.filename = new
-        exc = exc.__cause__ or exc.__context__
+    """Make the OSErrors in ``exc``'s chain (``space.os_errors``) that name ``old`` name ``new``."""
+    for error in os_errors(exc):
+        if error.filename == old:
+            error.filename = new
 
 
 def _throw_away(f) -> None:

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import common
+from lit_dist.processes import alive
 
 
 @pytest.mark.process
@@ -27,16 +28,7 @@ def test_a_hung_command_ends_with_its_stacks_and_leaves_no_process(own_session, 
     with pytest.raises(RuntimeError, match=r"hung for 6 s; its stacks:\n.*Fatal Python error: Aborted") as err:
         common.run_bench([sys.executable, "-c", code])
     assert str(err.value).count("Fatal Python error: Aborted") == 2, "both processes wrote their stacks"
-    assert not _running(int(pidfile.read_text())), "the process the launcher started is left"
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not alive(int(pidfile.read_text())), "the process the launcher started is left"
 
 
 def test_a_run_shorter_than_the_warm_up_says_that_it_timed_nothing():
