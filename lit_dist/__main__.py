@@ -11,7 +11,10 @@ import sys
 
 
 def main() -> None:
+    from lit_dist.processes import quiet_resource_tracker
     from lit_dist.reading import workers
+
+    quiet_resource_tracker()  # before any helper process starts
 
     start = workers.server_for_command(sys.argv[1:])
     forked = start is not None and workers.can_fork_server()

@@ -17,7 +17,9 @@ ends with any non-zero code, so the job's exit code (137) no longer says what ha
 - ``worker_death`` reads PyTorch's "DataLoader worker ... killed" errors into the same one line.
 """
 
+import contextlib
 import ctypes
+import multiprocessing
 import os
 import re
 import signal
@@ -34,6 +36,7 @@ LAUNCHER_ENV = "LIT_DIST_LAUNCHER_PID"  # the pid of the lit-dist process that s
 # A child ending with one of these was agreed by every rank: rank 0 reaches the same end itself, given time.
 _AGREED = {ExitCode.GPU_FAULT, ExitCode.PREEMPTED, ExitCode.HUNG, ExitCode.STRAGGLER, ExitCode.PREFLIGHT}
 AGREED_GRACE_S = 60.0  # how long rank 0 may take to finish an agreed end after a child has (save, requeue)
+_ended_here: set[int] = set()  # helpers this process ended itself (end_helpers): not the cause of a failure
 GRACE_S = 3.0  # how long rank 0 may take to reach its own verdict after a child failed alone
 # Faults every rank meets at once (a sharded save on a full disk, a store that went away): rank 0 is on its way to
 # the same end and its own line; on a loaded machine it took over 3 s (CI), and the run then ended without it.
@@ -97,6 +100,19 @@ def die_with_parent(parent: int | None = None) -> bool:
     if os.getppid() != expected:  # the parent ended before the request: the kernel will not signal now
         os._exit(int(ExitCode.PROCESS_DIED))
     return True
+
+
+# What multiprocessing's resource tracker warns with; the -W option its interpreter inherits from this one's.
+_TRACKER_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+def quiet_resource_tracker() -> None:
+    """Before this process starts multiprocessing's resource tracker (a process of its own, whose interpreter
+    takes this one's -W options): no warnings from it. It warns ("leaked semaphore objects to clean up") of what
+    a process left when it ended without releasing it (a rank or worker killed, or ended at once with os._exit),
+    and releases it. For lit-dist such an end is a fault that already has its one line, or an end on purpose."""
+    if _TRACKER_WARNINGS not in sys.warnoptions:
+        sys.warnoptions.append(_TRACKER_WARNINGS)
 
 
 def join_launcher() -> None:
@@ -225,6 +241,28 @@ def end_run(code: int) -> None:
     os._exit(int(code))
 
 
+def end_helpers(wait_s: float = 5.0) -> list[int]:
+    """End this process's daemonic multiprocessing children (loader workers) now, with SIGKILL: they ignore the
+    SIGTERM multiprocessing would send (lit_dist/reading/workers.py), and nothing they do is wanted once this
+    process ends (a batch being read is dropped with it). Waits up to ``wait_s`` for each to be reaped; returns
+    the pids ended."""
+    if threading.current_thread() is threading.main_thread():
+        # PyTorch's SIGCHLD handler would raise "DataLoader worker ... killed" for the kill below (fork start).
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    ended = []
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            with contextlib.suppress(OSError, ValueError):  # ended meanwhile, or closed
+                child.kill()
+                ended.append(child.pid)
+                _ended_here.add(child.pid)
+    for child in multiprocessing.active_children():
+        if child.pid in ended:
+            with contextlib.suppress(OSError, ValueError):
+                child.join(wait_s)
+    return ended
+
+
 # PyTorch's errors for a loader worker that died (torch/utils/data/dataloader.py and its SIGCHLD handler).
 _WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: ([^.]+)\.|exited "
                           r"unexpectedly(?: with exit code (-?\d+))?)")
@@ -308,7 +346,7 @@ def _dead_workers(loader, wait_s: float = 2.0) -> list[tuple[int, int]]:
         dead = []
         for worker in loader._workers:
             try:
-                if worker.exitcode is not None:
+                if worker.exitcode is not None and worker.pid not in _ended_here:
                     dead.append((worker.pid, worker.exitcode))
             except ValueError:  # closed
                 pass

@@ -32,6 +32,7 @@ from lit_dist.control import RunControl
 from lit_dist.data.health import BadSamples
 from lit_dist.data.sources import DatasetSource
 from lit_dist.errors import ConfigError, DataError
+from lit_dist.processes import end_helpers
 from lit_dist.reading.workers import START_METHODS, QuietWorkerInit, Start, context, start_early
 
 
@@ -450,6 +451,11 @@ class BucketDataModule(LightningDataModule):
     def predict_dataloader(self):
         # Every row of the table. Lightning splits the batches of one sampler among ranks itself when predicting.
         return self._eval_loader("predict", distributed=False)
+
+    def on_exception(self, exception: BaseException) -> None:
+        # The run ends (Lightning calls this before its teardown): the loader workers have nothing left to do, and
+        # one blocked in a read would hold the teardown's join for 5 s, then the exit (reading/workers.py).
+        end_helpers()
 
     def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         # Counted while the batch is still on the host: reading a count from the GPU would sync every step.

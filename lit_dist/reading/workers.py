@@ -28,11 +28,21 @@ larger than a pipe's buffer leaves the training process waiting for the rest for
 end is still open in it), so it never reaches the step boundary where it would save. Only the training
 process acts on them (an agreed save, then exit 11); the helpers ignore them and stop when it tells them
 to or when it is gone (PyTorch's workers watch their parent).
+
+Their end. A worker that ignores SIGTERM no longer ends the way multiprocessing ends daemonic children at
+interpreter exit (SIGTERM, then a join without a timeout), and PyTorch skips its own orderly shutdown of a
+loader once the interpreter is exiting. A loader still referenced at exit (a worker's exception re-raised in
+the rank keeps its iterator alive in a reference cycle until a garbage collection that exit does not run), or
+a worker still waiting out an outage, then held the rank in that join for ever after its error line (one
+process, ``data.num_workers: 1``, the object store gone). So a process that made a worker context ends its
+daemonic children itself at exit, with SIGKILL, before multiprocessing joins them (``end_helpers``).
 """
 
+import atexit
 import contextlib
 import importlib
 import multiprocessing
+import multiprocessing.util  # its exit handler is registered on import: ours must come later, to run first
 import os
 import signal
 import socket
@@ -75,11 +85,26 @@ def context(start: Start = "auto") -> multiprocessing.context.BaseContext:
     """A multiprocessing context for worker processes (DataLoader workers, process pools)."""
     chosen = method(start)
     ctx = multiprocessing.get_context(chosen)
+    _end_helpers_at_exit()
     if chosen == "forkserver":
         # Only takes effect before this process's server starts; later calls change nothing.
         ctx.set_forkserver_preload(_PRELOAD)
         _start_server()
     return ctx
+
+
+_ends_at_exit = False
+
+
+def _end_helpers_at_exit() -> None:
+    """Register ``processes.end_helpers`` with atexit, once per process (atexit runs the last registered first, so it runs
+    before multiprocessing's own exit handler, registered when multiprocessing.util was imported)."""
+    global _ends_at_exit
+    if not _ends_at_exit:
+        from lit_dist.processes import end_helpers
+
+        atexit.register(end_helpers)
+        _ends_at_exit = True
 
 
 def start_early(start: Start = "auto") -> None:
@@ -221,6 +246,31 @@ def ignore_stop_signals(*_) -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+def quiet_handover_errors() -> None:
+    """In a loader worker: say nothing when handing a batch to a training process fails because it has just died.
+    A batch's shared memory travels as a file descriptor that multiprocessing's ``resource_sharer`` thread sends
+    when the receiver asks; if the receiver is gone by then, that thread prints the ConnectionError's traceback
+    itself (``sys.excepthook``), in the run's log, just before this worker ends with it. The rank left already
+    says in one line which process died and how."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if issubclass(kind, (ConnectionError, EOFError)) and _through(tb, "multiprocessing/resource_sharer.py"):
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def _through(tb, path: str) -> bool:
+    """Whether a traceback passes through a file whose path ends with ``path``."""
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace(os.sep, "/").endswith(path):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class QuietWorkerInit:
     """A DataLoader ``worker_init_fn``: ignore the stop signals (after PyTorch set its own SIGTERM handler in
     the worker, which would end it), then run ``inner`` (Lightning's worker seeding, say)."""
@@ -233,6 +283,7 @@ class QuietWorkerInit:
 
     def __call__(self, worker_id: int) -> None:
         ignore_stop_signals()
+        quiet_handover_errors()
         if self.dumps:  # the rank's hang watchdog asks for this worker's stacks when it dumps its own
             _dump_on_request(f"{self.dumps}-worker-pid-{os.getpid()}.txt")
         if self.inner is not None:

@@ -4,7 +4,11 @@ it unless it calls setsid itself."""
 
 import os
 import signal
+import subprocess
+import threading
 import time
+
+import pytest
 
 from lit_dist.processes import tagged
 
@@ -69,3 +73,64 @@ def finish(proc, timeout: float = 300):
         out, err = proc.communicate()
         pytest.fail(f"the run hung:\n{err[-5000:]}")
     return proc.returncode, out, err
+
+
+class Output:
+    """Reads the stdout and stderr of ``proc`` (started with both piped) as they come, in two threads."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.lines = {"out": [], "err": []}
+        self.times: list[float] = []  # when each line of stderr came (time.monotonic)
+        self.ended_at: float | None = None  # when the process exited
+        self._ended = set()
+        self._changed = threading.Condition()
+        self._readers = [threading.Thread(target=self._read, args=(stream, name), daemon=True)
+                         for stream, name in ((proc.stdout, "out"), (proc.stderr, "err"))]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream, name: str) -> None:
+        for line in stream:
+            with self._changed:
+                self.lines[name].append(line)
+                if name == "err":
+                    self.times.append(time.monotonic())
+                self._changed.notify_all()
+        with self._changed:
+            self._ended.add(name)
+            self._changed.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 180) -> bool:
+        """Whether a line of stderr holds ``text`` before stderr ends or ``timeout`` seconds pass."""
+        with self._changed:
+            self._changed.wait_for(lambda: "err" in self._ended or any(text in line for line in self.lines["err"]),
+                                   timeout)
+            return any(text in line for line in self.lines["err"])
+
+    def tail(self) -> str:
+        with self._changed:
+            return "".join(self.lines["err"])[-3000:]
+
+    def finish(self, timeout: float = 300) -> tuple[int, str, str]:
+        """(return code, stdout, stderr), as ``tests.helpers.processes.finish``: on a hang the run's whole session
+        is killed and the test fails with the end of its stderr."""
+        try:
+            self.proc.wait(timeout)
+            self.ended_at = time.monotonic()
+            for reader in self._readers:  # what the run's other processes still hold open ends with them
+                reader.join(timeout)
+            if any(reader.is_alive() for reader in self._readers):
+                raise subprocess.TimeoutExpired(self.proc.args, timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            for reader in self._readers:
+                reader.join(10)
+            pytest.fail(f"the run hung:\n{''.join(self.lines['err'])[-5000:]}")
+        return self.proc.returncode, "".join(self.lines["out"]), "".join(self.lines["err"])
+
+    def seconds_after(self, text: str) -> float:
+        """Seconds from the first line of stderr holding ``text`` to the process's exit (after ``finish``)."""
+        at = next(t for line, t in zip(self.lines["err"], self.times, strict=True) if text in line)
+        return self.ended_at - at

@@ -448,3 +448,37 @@ class EpochSize(Callback):
     def on_train_start(self, trainer, pl_module):
         sampler = trainer.datamodule.train_sampler(trainer.world_size, trainer.global_rank)
         write_rank_json(trainer, "epoch-size", len(sampler) * sampler.global_batch_size)
+
+
+class StallReadsAtStep(Callback):
+    """At the end of optimizer step ``step``: waits ``settle_s`` for the loader workers to finish the batches in
+    flight, then makes every image under ``folder`` a FIFO that nobody writes to. A worker's next read blocks for
+    ever (a read stuck in the kernel, a hung network mount), while the batches already made still arrive."""
+
+    def __init__(self, step: int, folder: str, settle_s: float = 1.0):
+        self.step, self.folder, self.settle_s = step, folder, settle_s
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import time
+        from pathlib import Path
+
+        if trainer.global_step != self.step:
+            return
+        time.sleep(self.settle_s)
+        for image in Path(self.folder).rglob("*.png"):
+            image.unlink()
+            os.mkfifo(image)
+
+
+class RaiseAtStep(Callback):
+    """Raises ``error`` (a class of lit_dist.errors: ConfigError, DataError, ...) with ``message`` at the end of
+    optimizer step ``step``, as a fault found late in a run would."""
+
+    def __init__(self, step: int, error: str = "ConfigError", message: str = "injected"):
+        self.step, self.error, self.message = step, error, message
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from lit_dist import errors
+
+        if trainer.global_step == self.step:
+            raise getattr(errors, self.error)(self.message)

@@ -22,9 +22,9 @@ from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
 from lit_dist.outage import FIRST_WAIT_S, StoreUnreachable
 from tests.conftest import CONFIGS, REPO
-from tests.helpers.processes import finish, left_after
+from tests.helpers.processes import Output, finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy
-from tests.s3.outages import QUICK, SECOND_WAIT, Output
+from tests.s3.outages import QUICK, SECOND_WAIT
 
 pytestmark = pytest.mark.s3
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",

@@ -14,9 +14,9 @@ import pytest
 
 from lit_dist.errors import ExitCode
 from tests.conftest import CONFIGS, REPO
-from tests.helpers.processes import finish, left_after
+from tests.helpers.processes import Output, finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy
-from tests.s3.outages import QUICK, SECOND_WAIT, WAITED_TWICE_S, Output, restored_on
+from tests.s3.outages import QUICK, SECOND_WAIT, WAITED_TWICE_S, restored_on
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
@@ -89,6 +89,24 @@ def test_an_outage_past_its_deadline_stops_every_rank_with_exit_17_and_nothing_i
     assert "retry the job later" in err and "Traceback" not in err, err[-3000:]
     assert elapsed < 5 + 60, elapsed  # the deadline, one last attempt (a few seconds each), the other rank's grace
     assert not left, left
+
+
+def test_one_process_with_loader_workers_is_gone_within_seconds_of_its_outage_line(tmp_path, proxied):
+    # The quickstart as it ships, one process with loader workers, the store frozen (connections accepted, no byte
+    # moving). When the first worker gives up, the other is still waiting out its own read.
+    url, proxy = proxied
+    marker = tmp_path / "cut-now"
+    proc = start(tmp_path, url, proxy, "gone", "--data.outage_deadline_s", "20", "--trainer.max_steps", "1000",
+                 "--trainer.callbacks+=tests.helpers.recorder.MarkAtStep", "--trainer.callbacks.step", "4",
+                 "--trainer.callbacks.path", str(marker), "--data.num_workers", "2")
+    while not marker.exists() and proc.poll() is None:
+        time.sleep(0.05)
+    proxy.silence()
+    output = Output(proc)
+    code, _, err = output.finish(timeout=240)
+    assert code == ExitCode.STORE_UNREACHABLE and "Traceback" not in err, err[-3000:]
+    assert output.seconds_after("lit-dist: error:") < 8, err[-3000:]
+    assert not left_after(proc.pid, 10)
 
 
 def test_a_cache_on_s3_waits_out_an_outage_and_then_says_retry_later(s3, demo_data):

@@ -175,3 +175,29 @@ def test_a_process_started_in_a_session_of_its_own_is_found_by_its_tag_and_kille
         assert tagged(*tag) == []
     finally:
         child.kill()
+
+
+_KILLED_WITH_A_SEMAPHORE = """
+import multiprocessing, os, signal, sys
+from lit_dist.processes import quiet_resource_tracker
+if sys.argv[1] == "quiet":
+    quiet_resource_tracker()
+lock = multiprocessing.get_context("forkserver").Lock()  # a named semaphore, as loader queues have
+print(lock._semlock.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # a rank killed by the out-of-memory killer
+"""
+
+
+@pytest.mark.process
+def test_what_a_killed_process_left_is_released_without_a_warning(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_WITH_A_SEMAPHORE)
+    runs = {}
+    for how in ("plain", "quiet"):
+        # communicate() returns once the resource tracker, which shares stderr, has cleaned up and ended.
+        runs[how] = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=60)
+        assert runs[how].returncode == -signal.SIGKILL
+        name = runs[how].stdout.strip()
+        assert name and not os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}"), "the semaphore was left"
+    assert "leaked semaphore" in runs["plain"].stderr, runs["plain"].stderr  # what the tracker says unasked
+    assert runs["quiet"].stderr == "", runs["quiet"].stderr

@@ -10,6 +10,7 @@ import torch
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError
 from lit_dist.reading import workers
+from tests.conftest import REPO
 
 
 @pytest.mark.parametrize(("version", "safe"), [
@@ -186,3 +187,64 @@ def test_stop_signals_sent_to_every_process_leave_the_loader_serving_to_the_end(
     assert int(batches) > 2 and signals.strip() == "['SIGTERM', 'SIGUSR1']", out.stdout
     # A resource tracker that died of the signal is restarted and prints KeyError tracebacks at exit.
     assert "Traceback" not in out.stderr and "resource_tracker" not in out.stderr, out.stderr[-3000:]
+
+
+_ALIVE_AT_EXIT = """
+import sys, torch
+from torch.utils.data import DataLoader
+from lit_dist.reading.workers import QuietWorkerInit, context
+kept = []
+if __name__ == "__main__":
+    loader = DataLoader(list(range(100)), batch_size=4, num_workers=2, worker_init_fn=QuietWorkerInit(),
+                        multiprocessing_context=context(sys.argv[1]))
+    batches = iter(loader)
+    next(batches)
+    kept.append(batches)  # alive at exit, as a loader held by an exception's reference cycle is
+    print("exiting", flush=True)
+"""
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_a_process_exits_with_a_loader_still_alive(tmp_path, start):
+    # Its workers ignore SIGTERM (the stop signals are the training process's): multiprocessing's exit handler, which
+    # ends daemonic children with SIGTERM and then joins them, waited for ever before lit-dist ended them itself.
+    import subprocess
+
+    script = tmp_path / "alive_at_exit.py"
+    script.write_text(_ALIVE_AT_EXIT)
+    proc = subprocess.run([sys.executable, str(script), start], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+_HANDOVER = """
+import os, sys
+from multiprocessing import connection, process, resource_sharer
+from lit_dist.reading.workers import QuietWorkerInit
+if sys.argv[1] == "quiet":
+    QuietWorkerInit()(0)
+for _ in range(20):  # the receiver asks for the descriptor, then dies before it arrives
+    read, write = os.pipe()
+    address, key = resource_sharer.DupFd(read)._id
+    asking = connection.Client(address, authkey=process.current_process().authkey)
+    asking.send((key, os.getpid()))
+    asking.close()
+    os.close(write)
+resource_sharer.stop(timeout=5)
+print("handed over", file=sys.stderr)
+"""
+
+
+@pytest.mark.process
+def test_a_worker_handing_a_batch_to_a_process_that_died_says_nothing(tmp_path):
+    import subprocess
+
+    script = tmp_path / "handover.py"
+    script.write_text(_HANDOVER)
+    runs = {how: subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=60)
+            for how in ("plain", "quiet")}
+    assert "BrokenPipeError" in runs["plain"].stderr or "ConnectionResetError" in runs["plain"].stderr, \
+        runs["plain"].stderr[-2000:]  # what the scene makes without the worker's hook
+    assert "handed over" in runs["quiet"].stderr and "Traceback" not in runs["quiet"].stderr, runs["quiet"].stderr
