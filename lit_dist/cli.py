@@ -212,7 +212,8 @@ class LitDistCLI(LightningCLI):
         run_path = self._run_path()
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.split("/")[0] in ("val", "test")}
         shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "no validation metrics"
-        print(f"\nlit-dist: {what} finished: {shown}")
+        weights = getattr(trainer.lightning_module, "weights_used", lambda: None)()
+        print(f"\nlit-dist: {what} finished: {shown}" + (f" (with {weights})" if weights and metrics else ""))
         print(f"  run directory: {run_path}")
         checkpointing = self.config_init[self.subcommand].get("checkpoint")
         if what == "fit" and checkpointing is not None and checkpointing.last_path:

@@ -9,6 +9,7 @@ function                                Lightning internal
 ======================================  ==========================================================
 ``dump_checkpoint``                     ``trainer._checkpoint_connector.dump_checkpoint``
 ``is_last_batch``                       ``fit_loop.epoch_loop.batch_progress.is_last_batch``
+``optimizer_steps_now``                 ``fit_loop._should_accumulate``
 ``batches_done``                        ``fit_loop.epoch_loop.batch_progress.current.processed``
 ``next_epoch``                          ``fit_loop.epoch_progress.current.started``
 ``shift_batches_done``                  ``batch_progress.current`` (ready, started, processed, completed)
@@ -64,6 +65,13 @@ def is_last_batch(trainer) -> bool:
     progress = _batch_progress(trainer)
     with _internal("batch_progress.is_last_batch"):
         return bool(progress.is_last_batch)
+
+
+def optimizer_steps_now(trainer) -> bool:
+    """Inside ``optimizer_step``: whether this call steps (Lightning then counts a global step) rather than only
+    accumulating. A strategy that accumulates itself (DeepSpeed) has the hook called for every micro-batch."""
+    with _internal("trainer.fit_loop._should_accumulate"):
+        return not trainer.fit_loop._should_accumulate()
 
 
 def batches_done(trainer) -> int:

@@ -21,12 +21,19 @@ The average is one float32 buffer per trainable parameter of ``model.net``, name
 - it is keyed by the parameters' names, never by their position (SimpleTuner #1497); frozen
   parameters (a VAE, a text encoder) have none.
 
-It is updated after every ``every_n_steps``-th optimizer step from ``start_step`` on, with one
-``torch._foreach_lerp_`` over the local tensors: no host-device synchronisation, no gather. The first
-update copies the weights; update k (k >= 1) keeps ``decay_k = min(decay, 1 - (1 + k) ** -warmup_power)``
-of the average (diffusers' EMA warm-up), or ``decay`` itself when ``warmup_power`` is null. Validation
-uses the average once it has started (``evaluate``), the raw weights before; ``lit-dist sample --ema``
-samples with it.
+It is updated after every ``every_n_steps``-th optimizer step from ``start_step`` on (once per optimizer
+step, also where the strategy calls the optimizer hook for every micro-batch: DeepSpeed with gradient
+accumulation), with one ``torch._foreach_lerp_`` over the local tensors: no host-device synchronisation, no
+gather. The first update copies the weights; update k (k >= 1) keeps
+``decay_k = min(decay, 1 - (1 + k) ** -warmup_power)`` of the average (diffusers' EMA warm-up), or ``decay``
+itself when ``warmup_power`` is null.
+
+Two more buffers travel with it: ``ema.updates``, how many updates the average has had (0: it is still the
+copy made at set-up, not an average), and ``ema.starts_at``, the optimizer step of its first update. Whatever
+validates, exports or samples with "the average" asks ``has_average`` (so ``lit-dist validate`` of a checkpoint,
+whose loop starts at step 0, still uses it, and ``lit-dist export --ema`` of a checkpoint saved before the first
+update is refused instead of writing the starting weights). Validation and the samples use the average once it
+has had an update and ``evaluate`` is on, the raw weights before.
 """
 
 import math
@@ -59,9 +66,34 @@ def _regather(persistent: list[torch.Tensor]) -> None:
         persistent[0].all_gather(persistent)
 
 
-def _follow_partitions(ema: "EMA", *_) -> None:
-    """A state-dict hook of the EMA module (a function, not a closure: the module stays copyable and picklable)."""
+def _fsdp2_modules(net: nn.Module) -> list[nn.Module]:
+    """The modules of ``net`` that FSDP2's ``fully_shard`` made (none where it is not used)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return []
+    return [m for m in net.modules() if isinstance(m, FSDPModule)]
+
+
+def _reshard(modules: list[nn.Module]) -> None:
+    """Drop FSDP2's gathered copies of the parameters, so that the next forward gathers them from the shards again.
+    Without it (``reshard_after_forward: false``), the copy a forward without gradients (validation, samples) left
+    in place was still the one swapped in, and ``unshard`` returns at once for a gathered module: the first
+    training step after every validation trained on the average. No collective: each rank frees its own copy."""
+    for module in modules:
+        module.reshard()
+
+
+def _before_load(ema: "EMA", *_) -> None:
+    """A load pre-hook of the EMA module (a function, not a closure: the module stays copyable and picklable)."""
     ema._follow_partitions()
+    ema._count = None  # ``updates`` is about to change: read it again when asked
+
+
+def _before_save(ema: "EMA", *_) -> None:
+    """A state-dict pre-hook of the EMA module: the schedule saved is this run's."""
+    ema._follow_partitions()
+    ema.starts_at.fill_(ema.first_step)
 
 
 class EMA(nn.Module):
@@ -94,13 +126,17 @@ class EMA(nn.Module):
         # The first update: the first multiple of every_n_steps at or after start_step (optimizer steps count from 1).
         self.first_step = math.ceil(max(start_step, 1) / every_n_steps) * every_n_steps
         self.average = nn.Module()  # the buffers, under the parameters' own names
+        self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("starts_at", torch.full((), self.first_step, dtype=torch.int64))
+        self._count: int | None = 0  # ``updates`` on the host; None after a load, until read once
         self.names: list[str] = []
         self._params: list[nn.Parameter] = []
         self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._raw: list[torch.Tensor] | None = None
+        self._sharded: list[nn.Module] = []  # FSDP2 modules of the network (a list: not submodules of this one)
         # ZeRO-3 partitions the parameters after attach: the average follows before it is read, loaded or saved.
-        self.register_load_state_dict_pre_hook(_follow_partitions)
-        self.register_state_dict_pre_hook(_follow_partitions)
+        self.register_load_state_dict_pre_hook(_before_load)
+        self.register_state_dict_pre_hook(_before_save)
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -124,6 +160,7 @@ class EMA(nn.Module):
             self._params.append(param)
         if not self.names:
             raise ConfigError("model.ema is set but model.net has no trainable parameters to average")
+        self._sharded = _fsdp2_modules(net)
 
     def _follow_partitions(self) -> None:
         """Under ZeRO-3, once the engine has partitioned the parameters: each average becomes a float32 copy of its
@@ -160,8 +197,27 @@ class EMA(nn.Module):
     # -- the schedule (host integers only) --------------------------------------------------------------
 
     def started(self, step: int) -> bool:
-        """Whether the average exists after optimizer step ``step`` (its first update, a copy, is done)."""
+        """Whether the schedule has made its first update (a copy) by optimizer step ``step``."""
         return bool(self.names) and step >= self.first_step
+
+    def updates_by(self, step: int) -> int:
+        """How many updates the schedule makes up to and including optimizer step ``step``."""
+        return 0 if step < self.first_step else (step - self.first_step) // self.every_n_steps + 1
+
+    def count(self) -> int:
+        """How many updates the average has had (``updates``; read from the device once after a load)."""
+        if self._count is None:
+            self._count = int(self.updates)
+        return self._count
+
+    def has_average(self) -> bool:
+        """Whether there is an average to use: at least one update, here or in the run a checkpoint came from."""
+        return bool(self.names) and self.count() > 0
+
+    def assume_updates(self, step: int) -> None:
+        """An average loaded without its count (saved before lit-dist kept one): the schedule's count at ``step``."""
+        self.updates.fill_(self.updates_by(step))
+        self._count = self.updates_by(step)
 
     def weight(self, step: int) -> float | None:
         """The lerp weight (1 - decay_k) of the update after optimizer step ``step``; None: no update then."""
@@ -185,12 +241,18 @@ class EMA(nn.Module):
         if params[0].dtype != torch.float32:  # bf16 parameters (bf16-true): averaged in float32
             params = [p.float() for p in params]
         torch._foreach_lerp_(averages, params, weight)
+        self.updates.add_(1)  # on the device: no synchronisation
+        if self._count is not None:
+            self._count += 1
 
     @torch.no_grad()
     def restart(self) -> None:
-        """Copy the weights into the average (a checkpoint without one was loaded into the parameters)."""
+        """Copy the weights into the average (a checkpoint without one was loaded into the parameters): a starting
+        point, not yet an update."""
         averages, params = self._tensors()
         torch._foreach_copy_(averages, [p.float() for p in params])
+        self.updates.zero_()
+        self._count = 0
 
     # -- evaluation with the average --------------------------------------------------------------------
 
@@ -201,6 +263,7 @@ class EMA(nn.Module):
         self._raw = [p.clone() for p in params]
         torch._foreach_copy_(params, averages)
         _regather(_partitioned(self._params))
+        _reshard(self._sharded)
 
     @property
     def swapped(self) -> bool:
@@ -215,3 +278,4 @@ class EMA(nn.Module):
         torch._foreach_copy_(self._tensors()[1], self._raw)
         self._raw = None
         _regather(_partitioned(self._params))
+        _reshard(self._sharded)

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from lit_dist.errors import DataError
+from lit_dist.errors import ConfigError, DataError
 
 NET_PREFIX = "net."
 
@@ -31,13 +31,21 @@ EMA_PREFIX = "ema.average."
 
 def network_state(state: dict, ema: bool = False) -> dict:
     """The wrapped network's entries of a LitModel state dict; with ``ema``, its trainable parameters replaced by
-    their weight average (model.ema keeps it as ``ema.average.<parameter name>``). DataError where there is none."""
+    their weight average (model.ema keeps it as ``ema.average.<parameter name>``). DataError where there is none,
+    ConfigError where it has had no update (the copy of the starting weights)."""
     net = strip_prefix(state)
     if not ema:
         return net
     averages = {k[len(EMA_PREFIX):]: v for k, v in state.items() if k.startswith(EMA_PREFIX)}
     if not averages:
         raise DataError("the checkpoint holds no weight average: its run had no model.ema (leave out --ema)")
+    updates = state.get("ema.updates")  # absent in checkpoints saved before lit-dist counted them
+    if updates is not None and int(updates) == 0:
+        starts = state.get("ema.starts_at")
+        after = f"after optimizer step {int(starts)}" if starts is not None else "at model.ema.start_step"
+        raise ConfigError(f"--ema: the checkpoint's weight average has had no update yet (it starts {after}): it "
+                          "holds the weights the run started from. Leave out --ema, or use a checkpoint saved after "
+                          "that step")
     unknown = sorted(set(averages) - set(net))
     if unknown:
         raise DataError(f"the checkpoint's weight average names parameters its network lacks: {', '.join(unknown[:3])}")

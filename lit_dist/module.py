@@ -30,6 +30,7 @@ flow matching or diffusion for a denoiser. For anything else, subclass it and ov
 
 import inspect
 import math
+from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
@@ -38,6 +39,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from lit_dist import compat
 from lit_dist.ckpt.match import differences, refuse
 from lit_dist.ema import EMA
 from lit_dist.errors import ConfigError
@@ -161,6 +163,7 @@ class LitModel(LightningModule):
         self._eval_sums: torch.Tensor | None = None  # per-metric weighted sums, then the sample count
         self._eval_names: list[str] = []
         self._loss_in_bar = True  # see on_train_start
+        self._uncounted = False  # a strategy loaded an average without its count of updates (start_unsaved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -184,7 +187,8 @@ class LitModel(LightningModule):
             self.ema.attach(self.net, partitioned_later=bool(getattr(strategy, "zero_stage_3", False)))
             # DDP would broadcast rank 0's buffers before every forward: a whole model copy per step, for an
             # average that every rank computes the same.
-            self._ddp_params_and_buffers_to_ignore = [f"ema.average.{name}" for name in self.ema.names]
+            self._ddp_params_and_buffers_to_ignore = [f"ema.average.{name}" for name in self.ema.names] + \
+                ["ema.updates", "ema.starts_at"]
 
     def effective_batch_size(self) -> int | None:
         """batch_size_per_device x world size x accumulate_grad_batches, once a trainer is attached."""
@@ -263,12 +267,41 @@ class LitModel(LightningModule):
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        if self.ema is not None:
+        # A strategy that accumulates gradients itself (DeepSpeed) has this hook called for every micro-batch and
+        # steps only at the boundary: the average moves once per optimizer step, when Lightning counts one.
+        if self.ema is not None and compat.optimizer_steps_now(self.trainer):
             self.ema.update(self.trainer.global_step + 1)  # Lightning counts this step once the hook returns
 
+    def averaged(self) -> bool:
+        """Whether evaluation and samples use the weight average (model.ema with evaluate on, and an average that
+        has had an update, in this run or in the one its checkpoint came from) rather than the trained weights."""
+        return self.ema is not None and self.ema.evaluate and self.ema.has_average()
+
+    def weights_used(self) -> str | None:
+        """Which weights evaluation uses, in words, for result lines; None without model.ema."""
+        if self.ema is None:
+            return None
+        if self.averaged():
+            return f"the weight average (model.ema: {self.ema.count()} updates)"
+        if not self.ema.evaluate:
+            return "the trained weights (model.ema.evaluate is false)"
+        return f"the trained weights (the average starts after optimizer step {self.ema.first_step})"
+
+    # Validation, test and prediction use the average (averaged) and put the trained weights back at their end:
+    # before the callbacks' on_validation_end, where checkpoints are saved.
     def on_validation_start(self) -> None:
-        if self.ema is not None and self.ema.evaluate and self.ema.started(self.trainer.global_step):
+        if self.averaged():
             self.ema.swap_in()
+
+    def on_test_start(self) -> None:
+        self.on_validation_start()
+
+    def on_predict_start(self) -> None:
+        self.on_validation_start()
+
+    def on_predict_end(self) -> None:
+        if self.ema is not None:
+            self.ema.swap_out()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.ema is not None and self.ema.swapped:
@@ -277,7 +310,10 @@ class LitModel(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("state_dict")
-        if state is None:  # a sharded checkpoint: the strategy loads the model itself
+        if state is None:  # a sharded checkpoint: the strategy loaded the model itself (start_unsaved)
+            if self.ema is not None and self._uncounted:
+                self.ema.assume_updates(checkpoint.get("global_step", 0))
+            self._uncounted = False
             return
         if self.strict_loading:
             model = {key: tuple(tensor.shape) for key, tensor in self.state_dict().items()}
@@ -286,25 +322,35 @@ class LitModel(LightningModule):
                    differences(saved, model, self.optional_state))
         saved = [k for k in state if k.startswith("ema.average.")]
         if self.ema is None:
-            for key in saved:  # averaged in an earlier run, not in this one
+            for key in [k for k in state if k.startswith("ema.")]:  # averaged in an earlier run, not in this one
                 del state[key]
-        elif not saved and self.ema.names:
+            return
+        if not saved and self.ema.names:
             # Turned on at this resume: the average starts from the weights the run resumes with.
             rank_zero_info(AVERAGE_STARTS)
             for name in self.ema.names:
                 state[f"ema.average.{name}"] = state[f"net.{name}"].detach().clone().float()
+            state["ema.updates"] = torch.zeros((), dtype=torch.int64)
+        elif "ema.updates" not in state:  # an average saved before lit-dist counted its updates
+            state["ema.updates"] = torch.tensor(self.ema.updates_by(checkpoint.get("global_step", 0)))
+        state.setdefault("ema.starts_at", torch.tensor(self.ema.first_step))
 
     def optional_state(self, key: str) -> bool:
         """A state-dict key a checkpoint may lack (started from the weights) or hold without this model (dropped):
         the weight average's, which model.ema turns on or off at a resume."""
-        return key.startswith("ema.average.")
+        return key.startswith("ema.")
 
     def start_unsaved(self, keys: list[str]) -> None:
-        """After a sharded load without the weight average (model.ema turned on at this resume): start it from the
-        weights, as on_load_checkpoint does for a whole checkpoint."""
-        if self.ema is not None and any(key.startswith("ema.average.") for key in keys):
+        """After a load by the strategy (sharded, DeepSpeed) without the weight average (model.ema turned on at
+        this resume): start it from the weights, as on_load_checkpoint does for a whole checkpoint. An average
+        saved without its count of updates gets the schedule's count in on_load_checkpoint."""
+        if self.ema is None:
+            return
+        if any(key.startswith("ema.average.") for key in keys):
             rank_zero_info(AVERAGE_STARTS)
             self.ema.restart()
+        elif "ema.updates" in keys:
+            self._uncounted = True
 
     def on_train_start(self) -> None:
         # Lightning copies every prog_bar metric to the host after every batch, bar or no bar: a host-device sync
@@ -337,11 +383,12 @@ class LitModel(LightningModule):
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val")
         if self.ema is not None:
-            # The raw weights back before the callbacks' on_validation_end, where checkpoints are saved.
             self.ema.swap_out()
 
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")
+        if self.ema is not None:
+            self.ema.swap_out()
 
     def _eval_step(self, batch: dict) -> None:
         loss, metrics = self.compute_loss(batch)
@@ -366,33 +413,38 @@ class LitModel(LightningModule):
             self.log(f"{prefix}/{name}", value, prog_bar=name != "loss")  # same value on every rank
         self._eval_sums = None
 
+    @contextmanager
+    def evaluation_weights(self):
+        """Within: the weights evaluation uses (the average, model.ema, once it has had an update and evaluate is
+        on; else the trained weights), swapped in once and the trained weights put back, bitwise, at the end."""
+        swap = self.averaged() and not self.ema.swapped
+        if swap:
+            self.ema.swap_in()
+        try:
+            yield
+        finally:
+            if swap:
+                self.ema.swap_out()
+
     @torch.no_grad()
     def generate(self, condition: torch.Tensor | None, noise: torch.Tensor, steps: int, guidance: float) -> torch.Tensor:
         """Images in the model's input space from a generative objective's sampler (lit_dist.sampling), with the
-        weights validation uses (the average, model.ema, once it has started and evaluate is on), in eval mode and
-        the run's precision. The network's train/eval mode and weights are as before afterwards."""
-        from contextlib import nullcontext
-
+        weights evaluation uses (``evaluation_weights``), in eval mode and the run's precision. The network's
+        train/eval mode and weights are as before afterwards."""
         from lit_dist.sampling import sample
 
         if not isinstance(self.objective, Generative):
             raise ConfigError(f"model.objective is {type(self.objective).__name__}: only a generative objective "
                               "(FlowMatching, Diffusion) makes images")
         trainer = self._trainer
-        swap = (self.ema is not None and self.ema.evaluate and not self.ema.swapped and trainer is not None
-                and self.ema.started(trainer.global_step))
         training = self.net.training
         precision = trainer.precision_plugin.forward_context() if trainer is not None else nullcontext()
         try:
-            if swap:
-                self.ema.swap_in()
             self.net.eval()
-            with precision:
+            with self.evaluation_weights(), precision:
                 return sample(self.net, self.objective, condition, noise, steps=steps, guidance=guidance)
         finally:
             self.net.train(training)
-            if swap:
-                self.ema.swap_out()
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict[str, torch.Tensor]:
         out = self.objective.predict(self.net, batch)

@@ -82,6 +82,12 @@ class Classification(Objective):
         return {"prediction": logits.argmax(dim=-1), "probability": logits.softmax(-1).amax(-1)}
 
 
+def seeded_normal(shape: tuple[int, ...], seed: int, index: int) -> torch.Tensor:
+    """Standard normal values of ``shape`` drawn on the CPU from their own seed (``seed``, ``index``): the same on any
+    device, at any world size and whatever else shares the batch (validation noises, samples' starting noises)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + int(index)))
+
+
 def denoise(net: nn.Module, x: torch.Tensor, timestep: torch.Tensor, condition) -> torch.Tensor:
     """``net(x, timestep, condition)`` as a tensor (diffusers' models return an object with ``.sample``)."""
     out = net(x, timestep, condition)
@@ -166,15 +172,14 @@ class Generative(Objective):
 
     def fixed_losses(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:
         """(B,) losses, each the mean over ``eval_timesteps`` evenly spaced times, with one noise per sample seeded
-        by its metadata row."""
-        noise = torch.stack([self.eval_noise(x0[i], None if rows is None else int(rows[i])) for i in range(len(x0))])
+        by its metadata row (by its place in the batch where the batches have no rows)."""
+        noise = torch.stack([self.eval_noise(x0[i], i if rows is None else int(rows[i])) for i in range(len(x0))])
         times = (torch.arange(self.eval_timesteps, dtype=torch.float32, device=x0.device) + 0.5) / self.eval_timesteps
         total = sum(self.per_sample_loss(net, x0, noise, t.expand(len(x0)), cond) for t in times)
         return total / self.eval_timesteps
 
-    def eval_noise(self, like: torch.Tensor, row: int | None) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.eval_seed * 1_000_003 + (row if row is not None else 0))
-        return torch.randn(like.shape, generator=generator).to(like)
+    def eval_noise(self, like: torch.Tensor, row: int) -> torch.Tensor:
+        return seeded_normal(tuple(like.shape), self.eval_seed, row).to(like)
 
     def per_sample_loss(self, net, x0, noise, t, cond) -> torch.Tensor:
         """(B,) losses at times ``t`` in (0, 1)."""

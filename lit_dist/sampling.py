@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
-from lit_dist.objectives import Diffusion, FlowMatching, Generative, denoise
+from lit_dist.objectives import Diffusion, FlowMatching, Generative, denoise, seeded_normal
 
 
 def null_condition(objective: Generative, condition: torch.Tensor | None) -> torch.Tensor | None:
@@ -50,8 +50,19 @@ def scheduler_for(objective: Generative, steps: int):
 def initial_noise(shape: tuple[int, ...], seed: int, indices) -> torch.Tensor:
     """(len(indices), *shape) standard normal noise, image ``i`` drawn on the CPU from its own seed (``seed``, ``i``):
     the same on any device and whichever other images share its batch."""
-    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + int(i)))
-                        for i in indices])
+    return torch.stack([seeded_normal(tuple(shape), seed, i) for i in indices])
+
+
+def _to_model(condition, device: torch.device, dtype: torch.dtype):
+    """The condition (a tensor, or a dict of them: added conditions) on the model's device, its floating-point
+    tensors in the model's dtype. Without autocast (bf16-true, DeepSpeed's bf16) a denoiser that does not cast its
+    condition itself (diffusers' UNet2DConditionModel) fails on float32 embeddings against bf16 weights; labels stay
+    integers."""
+    if condition is None:
+        return None
+    if isinstance(condition, dict):
+        return {key: _to_model(value, device, dtype) for key, value in condition.items()}
+    return condition.to(device=device, dtype=dtype if condition.is_floating_point() else condition.dtype)
 
 
 @torch.no_grad()
@@ -67,6 +78,7 @@ def sample(net: nn.Module, objective: Generative, condition: torch.Tensor | None
     x = noise.to(device=device, dtype=dtype)
     if isinstance(objective, Diffusion):
         x = x * scheduler.init_noise_sigma
+    condition = _to_model(condition, device, dtype)
     guided = guidance != 1.0 and condition is not None
     null = null_condition(objective, condition) if guided else None
     for t in scheduler.timesteps:
@@ -79,6 +91,27 @@ def sample(net: nn.Module, objective: Generative, condition: torch.Tensor | None
             out = denoise(net, x, timestep, condition)
         x = scheduler.step(out, t, x).prev_sample
     return x
+
+
+def precision_plugin(precision, strategy, device: torch.device):
+    """Lightning's precision plugin of a run's ``trainer.precision`` on ``device``, for drawing samples outside the
+    Trainer as the run did: ``convert_module`` (half weights for -true) and ``forward_context`` (autocast for
+    -mixed). Under DeepSpeed a 16-bit precision keeps the weights themselves in 16 bits (its engine casts them), so
+    it is drawn as the -true precision of the same type."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+
+    from lit_dist.strategies import strategy_name
+
+    text = str(precision or "32-true")
+    if "deepspeed" in strategy_name(strategy).lower() and text in ("bf16-mixed", "16-mixed"):
+        text = text.replace("mixed", "true")
+    if text in ("bf16-mixed", "16-mixed"):
+        return MixedPrecision(text, device.type)
+    if text in ("bf16-true", "16-true"):
+        return HalfPrecision(text)
+    if text in ("64-true", "64"):
+        return DoublePrecision()
+    return Precision()
 
 
 def grid(pixels: torch.Tensor, rows: int, cols: int) -> np.ndarray:

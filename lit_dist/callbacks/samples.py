@@ -99,7 +99,8 @@ class Samples(Callback):
     def _active(self, pl_module) -> bool:
         from lit_dist.objectives import Generative
 
-        return isinstance(getattr(pl_module, "objective", None), Generative) and hasattr(pl_module, "generate")
+        return isinstance(getattr(pl_module, "objective", None), Generative) and hasattr(pl_module, "generate") \
+            and hasattr(pl_module, "evaluation_weights")
 
     # -- when -------------------------------------------------------------------------------------
 
@@ -135,7 +136,9 @@ class Samples(Callback):
         world, rank = trainer.world_size, trainer.global_rank
         made = []
         device = trainer.strategy.root_device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _full_parameters(trainer):
+        # The average swapped in once for every group (each swap copies every local parameter; under ZeRO-3 it gathers).
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _full_parameters(trainer), \
+                pl_module.evaluation_weights():
             for turn in range(math.ceil(len(groups) / world)):
                 index = turn * world + rank
                 pixels = self._group(pl_module, groups[index if index < len(groups) else 0], device)

@@ -97,3 +97,32 @@ def test_an_fsdp2_resume_turns_the_average_on_or_off_and_a_changed_network_gets_
     errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert len(errors) == 2 and "holds net.head.weight of shape (4, 64), this model's is (7, 64)" in errors[0], errors
+
+
+@pytest.mark.slow
+def test_with_gradient_accumulation_the_average_moves_once_per_optimizer_step_under_deepspeed_and_ddp(tmp_path,
+                                                                                                      demo_data):
+    # DeepSpeed accumulates gradients itself: Lightning calls the optimizer hook for every micro-batch, and the average
+    # moved on each of them (A times per step, A - 1 of them towards unchanged weights).
+    pytest.importorskip("deepspeed")
+    strategies = {"zero2": ["--config", str(CONFIGS / "deepspeed_zero2.yaml"), "--trainer.accelerator", "cpu"],
+                  "ddp": ["--trainer.strategy", "ddp"]}
+    averages = {}
+    constant = tmp_path / "ema.yaml"  # no warm-up: every update keeps 0.9 of the average
+    constant.write_text("model:\n  ema:\n    decay: 0.9\n    start_step: 3\n    warmup_power: null\n")
+    for name, strategy in strategies.items():
+        args = quickstart_args(tmp_path / name, demo_data, constant, trainer__devices=2, data__batch_size_per_device=8,
+                               data__num_workers=0, trainer__max_steps=8, trainer__accumulate_grad_batches=2,
+                               trainer__enable_progress_bar=False, trainer__limit_val_batches=0,
+                               checkpoint__every_n_epochs=None, export__filename=None, run__run_id="r")
+        out = lit_dist("fit", *args, *strategy, "--model.net.init_args.norm", "group",
+                       "--trainer.callbacks+=tests.helpers.recorder.AverageByHand", timeout=300)
+        assert out.returncode == 0, out.stderr[-4000:]
+        run_dir = tmp_path / name / "quickstart" / "r"
+        for rank in range(2):
+            by_hand = json.loads((run_dir / f"by-hand-rank{rank}.json").read_text())
+            assert by_hand["updates"] == 6, (name, by_hand)  # steps 3 to 8, one each
+            assert by_hand["worst"] < 1e-6, (name, by_hand)
+        averages[name] = torch.load(run_dir / "average.pt", weights_only=True)
+    for key, value in averages["ddp"].items():  # the same run, two strategies: the same average
+        torch.testing.assert_close(averages["zero2"][key], value, rtol=1e-3, atol=1e-4)  # ZeRO sums in its own order

@@ -482,3 +482,36 @@ class RaiseAtStep(Callback):
 
         if trainer.global_step == self.step:
             raise getattr(errors, self.error)(self.message)
+
+
+class AverageByHand(Callback):
+    """Computes model.ema's average by hand from the weights after every optimizer step (whole tensors: DDP,
+    ZeRO-1/2) with the average's own schedule; at the end writes ``{run dir}/by-hand-rank{N}.json`` (the largest
+    difference from the run's average, the number of updates) and, on rank 0, both averages to ``average.pt``."""
+
+    def __init__(self):
+        self.expected, self._seen = None, 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step == self._seen:
+            return
+        self._seen = step
+        weight = pl_module.ema.weight(step)
+        if weight is None:
+            return
+        now = [p.detach().double().clone() for p in pl_module.ema._params]
+        self.expected = now if self.expected is None else [e + weight * (w - e) for e, w in
+                                                           zip(self.expected, now, strict=True)]
+
+    def on_train_end(self, trainer, pl_module):
+        import torch
+
+        ema = pl_module.ema
+        got = [ema.average.get_buffer(name).double() for name in ema.names]
+        worst = max(float((g - e).abs().max()) for g, e in zip(got, self.expected, strict=True))
+        write_rank_json(trainer, "by-hand", {"worst": worst, "updates": ema.count()})
+        if trainer.is_global_zero:
+            run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
+            torch.save({name: g.float() for name, g in zip(ema.names, got, strict=True)},
+                       os.path.join(run_dir, "average.pt"))

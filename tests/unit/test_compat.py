@@ -161,3 +161,27 @@ def test_plain_console_makes_lightning_choose_tqdm_and_the_plain_summary_with_ri
         callback_connector._RICH_AVAILABLE = original
     kinds = [type(c) for c in trainer.callbacks]
     assert TQDMProgressBar in kinds and ModelSummary in kinds and RichModelSummary not in kinds, kinds
+
+
+def test_optimizer_steps_now_is_false_for_the_micro_batches_a_strategy_accumulates_itself():
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class Accumulating(SingleDeviceStrategy):  # as DeepSpeed: the loop calls optimizer_step for every micro-batch
+        @property
+        def handles_gradient_accumulation(self) -> bool:
+            return True
+
+    class Recording(LitModel):
+        calls: list = []
+
+        def optimizer_step(self, *args, **kwargs):
+            super().optimizer_step(*args, **kwargs)
+            self.calls.append((self.trainer.global_step, compat.optimizer_steps_now(self.trainer)))
+
+    seed_everything(0)
+    model = Recording(SimpleCNN(num_classes=2), optimizer=lambda p: torch.optim.SGD(p, lr=0.01))
+    trainer = Trainer(max_steps=2, accumulate_grad_batches=3, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, strategy=Accumulating(torch.device("cpu")))
+    trainer.fit(model, torch.utils.data.DataLoader(Data(), batch_size=4))
+    assert model.calls == [(0, False), (0, False), (0, True), (1, False), (1, False), (1, True)]

@@ -6,6 +6,7 @@ export and sample flags, bad settings."""
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
 from lit_dist.ema import EMA
@@ -82,23 +83,35 @@ class FrozenStem(nn.Module):
         return self.body(self.stem(x))
 
 
-def fit_with_ema(tmp_path, ema, accumulate=1, steps=12):
+class SelfAccumulating(SingleDeviceStrategy):
+    """A strategy that accumulates gradients itself, as DeepSpeed does: Lightning calls the optimizer hook for every
+    micro-batch and counts a step only at the accumulation boundary."""
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+
+def fit_with_ema(tmp_path, ema, accumulate=1, steps=12, strategy="auto"):
     torch.manual_seed(0)
     data = [{"image": torch.randn(3, 16, 16), "label": i % 4} for i in range(64)]
     model = LitModel(FrozenStem(), ema=ema, optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
     snaps = Snapshots()
     trainer = Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, accumulate_grad_batches=accumulate, val_check_interval=4 * accumulate,
-                      limit_val_batches=1, num_sanity_val_steps=1, callbacks=[snaps], default_root_dir=tmp_path)
+                      limit_val_batches=1, num_sanity_val_steps=1, callbacks=[snaps], default_root_dir=tmp_path,
+                      strategy=strategy)
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     trainer.fit(model, loader, loader)
     return model, snaps
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_the_average_is_the_hand_computed_one_and_validation_uses_it_once_started(tmp_path, accumulate):
+@pytest.mark.parametrize(("accumulate", "by_strategy"), [(1, False), (2, False), (2, True)])
+def test_the_average_is_the_hand_computed_one_and_validation_uses_it_once_started(tmp_path, accumulate, by_strategy):
     ema = EMA(decay=0.8, start_step=3, every_n_steps=2, warmup_power=0.5)
-    model, snaps = fit_with_ema(tmp_path, ema, accumulate)
+    strategy = SelfAccumulating(torch.device("cpu")) if by_strategy else "auto"
+    model, snaps = fit_with_ema(tmp_path, ema, accumulate, strategy=strategy)
+    assert ema.count() == ema.updates_by(12) == 5  # steps 4, 6, 8, 10, 12: once per optimizer step
     assert ema.names == [n for n, p in model.net.named_parameters() if p.requires_grad]
     assert not any(n.startswith("stem.") for n in ema.names), "a frozen parameter has no average"
 
@@ -134,7 +147,9 @@ def test_evaluate_false_validates_the_raw_weights(tmp_path):
 def test_the_state_dict_names_the_average_like_the_parameters_and_export_picks_it(tmp_path):
     model, _ = fit_with_ema(tmp_path, EMA(decay=0.8))
     state = model.state_dict()
-    assert {k for k in state if k.startswith("ema.")} == {f"ema.average.{n}" for n in model.ema.names}
+    assert {k for k in state if k.startswith("ema.")} == {f"ema.average.{n}" for n in model.ema.names} | \
+        {"ema.updates", "ema.starts_at"}
+    assert int(state["ema.updates"]) == 12 and int(state["ema.starts_at"]) == 1  # every step from the first
     assert all(state[f"ema.average.{n}"].dtype == torch.float32 for n in model.ema.names)
     raw, averaged = network_state(state), network_state(state, ema=True)
     assert raw.keys() == averaged.keys()  # frozen stem and batch-norm statistics come from the network

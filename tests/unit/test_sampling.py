@@ -102,3 +102,18 @@ def test_an_images_noise_is_its_own_whichever_images_share_its_batch():
     both = initial_noise((3, 4, 4), 5, [0, 1])
     assert torch.equal(initial_noise((3, 4, 4), 5, [1]), both[1:])
     assert not torch.equal(both[0], both[1]) and not torch.equal(initial_noise((3, 4, 4), 6, [1]), both[1:])
+
+
+@pytest.mark.parametrize("objective", [FlowMatching(condition="caption"), Diffusion(condition="caption")])
+def test_a_diffusers_unet_in_bf16_samples_from_float32_caption_embeddings(objective):
+    # bf16-true (and DeepSpeed's bf16) run without autocast, and diffusers' UNet2DConditionModel does not cast the
+    # condition itself: the sampler casts it to the weights' dtype, as it does the noise.
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    net = diffusers.UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                         block_out_channels=(32, 32), norm_num_groups=8, cross_attention_dim=16,
+                                         attention_head_dim=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D")).to(torch.bfloat16).eval()
+    condition = torch.randn(2, 5, 16)  # (B, tokens, width) float32, as the caption cache holds them
+    images = sample(net, objective, condition, initial_noise((4, 8, 8), 0, range(2)), steps=2, guidance=3.0)
+    assert images.shape == (2, 4, 8, 8) and images.dtype == torch.bfloat16 and images.isfinite().all()
