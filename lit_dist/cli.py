@@ -94,6 +94,13 @@ class LitDistCLI(LightningCLI):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         if "ckpt_path" in self._subcommand_method_arguments[subcommand]:
             parser.set_defaults(ckpt_path="auto")
+        # A config saved by another command (a run directory's config.yaml is fit's) works here as it is: the
+        # arguments of Lightning's other commands are accepted, left unused and named (before_instantiate_classes).
+        own = set(self._subcommand_method_arguments[subcommand])
+        for key, (kind, commands) in other_command_keys().items():
+            if key not in own:
+                parser.add_argument(f"--{key}", type=kind | None, default=None,
+                                    help=f"Ignored by {subcommand} ({' and '.join(commands)}'s, kept in saved configs).")
         return parser
 
     def _parse_ckpt_path(self) -> None:
@@ -124,6 +131,10 @@ class LitDistCLI(LightningCLI):
         from jsonargparse import Namespace
 
         config = self.config[self.subcommand] if self.subcommand else self.config
+        self._say_ignored(config)
+        if self.subcommand not in (None, "fit"):
+            # The run directory's config.yaml stays fit's (what a resume and these commands read): theirs beside it.
+            self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": f"config-{self.subcommand}.yaml"}
         run = RunConfig(**vars(config.run))
         config.run.run_id, path = run_dir(run)
         given = config.trainer.default_root_dir
@@ -159,6 +170,23 @@ class LitDistCLI(LightningCLI):
                 class_path="lit_dist.tensorboard.TensorBoardLogger",
                 init_args=Namespace(save_dir=run.root_dir, name=run.name, version=config.run.run_id, default_hp_metric=False),
             )
+
+    def _say_ignored(self, config) -> None:
+        """One line naming the keys of another command's config that this command leaves unused (rank 0)."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        own = set(self._subcommand_method_arguments.get(self.subcommand, ())) if self.subcommand else set()
+        # ckpt_path auto is fit's default, in every config it saves: nothing to say about it.
+        ignored = [key for key in other_command_keys() if key not in own and config.get(key) not in (None, "auto")]
+        if self.subcommand:
+            for key in other_command_keys():  # out of this command's saved config: another reads it as its own
+                if key not in own and key in config:
+                    del config[key]
+        if ignored and rank_zero_only.rank == 0:
+            name = self.subcommand or self.parser.prog.removeprefix("lit-dist ")
+            print(f"lit-dist: {name} leaves unused the config's {', '.join(ignored)} "
+                  f"(keys of {' and '.join(sorted({c for k in ignored for c in other_command_keys()[k][1]}))})",
+                  flush=True)
 
     def _resolve_ckpt_path(self) -> None:
         """``ckpt_path: auto`` (the default) -> the newest usable checkpoint of this run, or None."""
@@ -200,6 +228,7 @@ class LitDistCLI(LightningCLI):
         path = write_predictions(trainer.predict_loop.predictions or [], self._run_path(), trainer.global_rank)
         if path and trainer.is_global_zero:
             print(f"\nlit-dist: predictions written to {path} (one file per rank)", flush=True)
+            self._say_weights()
 
     def _run_path(self) -> str:
         # Not trainer.log_dir: that is a broadcast, a collective that must never sit behind a rank check.
@@ -212,14 +241,21 @@ class LitDistCLI(LightningCLI):
         run_path = self._run_path()
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.split("/")[0] in ("val", "test")}
         shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())) or "no validation metrics"
-        weights = getattr(trainer.lightning_module, "weights_used", lambda: None)()
-        print(f"\nlit-dist: {what} finished: {shown}" + (f" (with {weights})" if weights and metrics else ""))
-        print(f"  run directory: {run_path}")
+        print(f"\nlit-dist: {what} finished: {shown}")
+        self._say_weights(bool(metrics))
+        own = "" if what == "fit" else f" (the run's own: its config-{what}.yaml and TensorBoard events went there)"
+        print(f"  run directory: {run_path}{own}")
         checkpointing = self.config_init[self.subcommand].get("checkpoint")
         if what == "fit" and checkpointing is not None and checkpointing.last_path:
             print(f"  checkpoint:    {checkpointing.last_path}")
         print(f"  watch it:      tensorboard --logdir {run_path}")
         print(f"  summary:       lit-dist report {run_path}\n", flush=True)
+
+    def _say_weights(self, evaluated: bool = True) -> None:
+        """Which weights the evaluation used (model.ema's average or the trained ones), where it matters."""
+        weights = getattr(self.trainer.lightning_module, "weights_used", lambda: None)()
+        if weights and evaluated:
+            print(f"  weights:       {weights}")
 
 
 class RunConfigCLI(LitDistCLI):
@@ -232,16 +268,30 @@ class RunConfigCLI(LitDistCLI):
         super().add_arguments_to_parser(parser)
         # A run directory's config.yaml (what fit saved) holds fit's ckpt_path and weights_only: accepted, so
         # that config works here as it is; these commands take a checkpoint, if any, as a flag of their own.
-        parser.add_argument("--ckpt_path", type=str | None, default=None,
-                            help="Ignored here (fit's, kept in a run directory's config.yaml).")
-        parser.add_argument("--weights_only", type=bool | None, default=None,
-                            help="Ignored here (fit's, kept in a run directory's config.yaml).")
+        for key, (kind, commands) in other_command_keys().items():
+            parser.add_argument(f"--{key}", type=kind | None, default=None,
+                                help=f"Ignored here ({' and '.join(commands)}'s, kept in saved configs).")
 
     def instantiate_classes(self) -> None:
         self.config_init = self.parser.instantiate_classes(self.config)
         self.datamodule = self._get(self.config_init, "data")
         self.model = self._get(self.config_init, "model")
         self.trainer = None
+
+
+def other_command_keys() -> dict[str, tuple[type, list[str]]]:
+    """{key: (type, commands)}: the arguments of Lightning's commands (Trainer.fit, validate, test, predict) beyond
+    the model and data, which LightningCLI writes into each command's saved config."""
+    from lightning.pytorch import Trainer
+
+    found: dict[str, tuple[type, list[str]]] = {}
+    for command, skip in LitDistCLI.subcommands().items():
+        for name in inspect.signature(getattr(Trainer, command)).parameters:
+            if name == "self" or name in skip:
+                continue
+            kind = bool if name in ("verbose", "return_predictions", "weights_only") else str
+            found.setdefault(name, (kind, []))[1].append(command)
+    return found
 
 
 def _dispatch(argv: list[str]) -> int | None:

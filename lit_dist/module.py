@@ -282,7 +282,7 @@ class LitModel(LightningModule):
         if self.ema is None:
             return None
         if self.averaged():
-            return f"the weight average (model.ema: {self.ema.count()} updates)"
+            return f"the weight average of model.ema ({self.ema.count()} updates)"
         if not self.ema.evaluate:
             return "the trained weights (model.ema.evaluate is false)"
         return f"the trained weights (the average starts after optimizer step {self.ema.first_step})"

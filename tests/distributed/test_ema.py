@@ -88,6 +88,9 @@ def test_an_fsdp2_resume_turns_the_average_on_or_off_and_a_changed_network_gets_
     averaged = [k for k in now if k.startswith("ema.average.")]
     assert averaged and all(torch.equal(now[k], saved["net." + k.removeprefix("ema.average.")]) for k in averaged), \
         "the average starts from the weights the run resumed with"
+    out = lit_dist("export", str(checkpoints / "step-000000008"), "--ema", "true", "--output", str(tmp_path / "m.pt"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "has had no update yet (it starts after optimizer step 100)" in out.stderr, out.stderr[-3000:]
 
     out = resume(12)  # turned off again: the saved average is left behind
     assert out.returncode == 0, out.stderr[-3000:]
@@ -126,3 +129,26 @@ def test_with_gradient_accumulation_the_average_moves_once_per_optimizer_step_un
         averages[name] = torch.load(run_dir / "average.pt", weights_only=True)
     for key, value in averages["ddp"].items():  # the same run, two strategies: the same average
         torch.testing.assert_close(averages["zero2"][key], value, rtol=1e-3, atol=1e-4)  # ZeRO sums in its own order
+
+
+@pytest.mark.slow
+def test_fsdp2_validating_on_the_average_trains_bitwise_as_without_validation(tmp_path, demo_data):
+    # With reshard_after_forward false, a forward without gradients leaves FSDP2's gathered parameters in place: the
+    # average swapped in for validation stayed there, and the first training step after each validation trained on
+    # it. Validating on the average must leave the trained weights bitwise those of a run that never validates.
+    runs = {"never": ("true", 0), "resharded": ("true", 2), "gathered": ("false", 2)}
+    weights = {}
+    for name, (reshard, batches) in runs.items():
+        args = quickstart_args(tmp_path / name, demo_data, CONFIGS / "fsdp2.yaml", trainer__devices=2,
+                               data__batch_size_per_device=8, data__num_workers=0, trainer__max_steps=8,
+                               trainer__val_check_interval=3, trainer__limit_val_batches=batches,
+                               trainer__num_sanity_val_steps=0, trainer__enable_progress_bar=False,
+                               checkpoint__every_n_epochs=None, run__run_id="r")
+        out = lit_dist("fit", *args, "--model.net.init_args.norm", "group", "--model.ema.decay", "0.5",
+                       "--trainer.strategy.init_args.reshard_after_forward", reshard, timeout=300)
+        assert out.returncode == 0, out.stderr[-4000:]
+        assert ("validation at step 6" in out.stderr + out.stdout) == bool(batches)
+        weights[name] = torch.load(tmp_path / name / "quickstart" / "r" / "model.pt", weights_only=True)
+    for name in ("resharded", "gathered"):
+        for key, value in weights["never"].items():
+            assert torch.equal(weights[name][key], value), f"{name}: {key} differs from the run that never validates"

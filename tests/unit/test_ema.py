@@ -160,6 +160,26 @@ def test_the_state_dict_names_the_average_like_the_parameters_and_export_picks_i
         network_state({k: v for k, v in state.items() if not k.startswith("ema.")}, ema=True)
 
 
+def test_an_average_before_its_first_update_is_refused_by_export_and_unused_by_evaluation(tmp_path):
+    # Saved before model.ema.start_step: the buffers hold the weights the run started from, not an average.
+    model, snaps = fit_with_ema(tmp_path, EMA(decay=0.8, start_step=100), steps=4)
+    state = model.state_dict()
+    assert int(state["ema.updates"]) == 0 and int(state["ema.starts_at"]) == 100
+    with pytest.raises(ConfigError, match=r"--ema: the checkpoint's weight average has had no update yet \(it starts "
+                                          r"after optimizer step 100\)"):
+        network_state(state, ema=True)
+    for (_, validated), (_, before) in zip(snaps.validated, snaps.before_validation, strict=True):
+        assert all(torch.equal(v, b) for v, b in zip(validated, before, strict=True)), "validated on the copy"
+    assert model.weights_used() == "the trained weights (the average starts after optimizer step 100)"
+    # A checkpoint of an older lit-dist (no count): the schedule's count at its step.
+    again = LitModel(FrozenStem(), ema=EMA(decay=0.8, start_step=2))
+    again.configure_model()
+    older = {k: v for k, v in state.items() if k not in ("ema.updates", "ema.starts_at")}
+    again.on_load_checkpoint({"state_dict": older, "global_step": 4})
+    again.load_state_dict(older)
+    assert again.ema.count() == 3 and again.averaged()  # steps 2, 3, 4
+
+
 def test_a_checkpoint_without_an_average_starts_it_from_its_weights_and_one_with_it_loads_without(tmp_path):
     model, _ = fit_with_ema(tmp_path, EMA(decay=0.8))
     saved = {"state_dict": dict(model.state_dict())}
