@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lit_dist.errors import ConfigError
+from lit_dist.extras import require
 
 
 class Objective:
@@ -262,6 +263,7 @@ class Diffusion(Generative):
         if num_train_timesteps < 2:
             problems.append(f"model.objective.num_train_timesteps = {num_train_timesteps}: must be at least 2")
         ConfigError.collect(problems)
+        require("diffusers", "model.objective Diffusion (its noise schedule, diffusers' DDPMScheduler)")
         from diffusers import DDPMScheduler
 
         self.scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,

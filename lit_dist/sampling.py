@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
+from lit_dist.extras import require
 from lit_dist.objectives import Diffusion, FlowMatching, Generative, denoise, seeded_normal
 
 
@@ -32,6 +33,7 @@ def scheduler_for(objective: Generative, steps: int):
     """A diffusers scheduler set to ``steps`` steps, matching how ``objective`` trained."""
     if steps < 1:
         raise ConfigError(f"sampling steps = {steps}: must be at least 1")
+    require("diffusers", f"sampling from model.objective {type(objective).__name__} (diffusers' samplers)")
     if isinstance(objective, FlowMatching):
         from diffusers import FlowMatchEulerDiscreteScheduler
 

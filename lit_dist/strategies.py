@@ -303,7 +303,10 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         """Lightning's, after one check: a resume of training on as many processes as saved the checkpoint. DeepSpeed
         partitions the optimizer state (and under ZeRO-3 the weights and their average) by process and cannot
-        repartition it: elsewhere it ends in its own exception's traceback."""
+        repartition it: elsewhere it ends in its own exception's traceback. The keys the module may lack or hold
+        beyond its own (its ``optional_state``: the weight average, which model.ema turns on or off at a resume) are
+        left out of DeepSpeed's strict load; those it lacked are started by ``start_unsaved`` once the whole
+        checkpoint is loaded (under ZeRO-3 the weights' partitions come with the optimizer state)."""
         saved = _deepspeed_world_size(checkpoint_path)
         if saved not in (None, self.world_size) and self.lightning_module.trainer.state.fn == "fit":
             path = Path(checkpoint_path)
@@ -312,7 +315,25 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
                               f"run has {self.world_size}: DeepSpeed resumes only on as many as saved it. Run on {saved} "
                               "processes (trainer.devices x trainer.num_nodes), or start a new run (run.run_id); "
                               f"`lit-dist export {path}` writes its weights")
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        module = self.lightning_module
+        optional = getattr(module, "optional_state", lambda key: False)
+        unsaved: list[str] = []
+
+        def tolerate(_, incompatible) -> None:  # the module's load_state_dict post-hook: strict about the rest
+            for keys, lacked in ((incompatible.missing_keys, True), (incompatible.unexpected_keys, False)):
+                for key in [k for k in keys if optional(k)]:
+                    keys.remove(key)
+                    if lacked:
+                        unsaved.append(key)
+
+        handle = module.register_load_state_dict_post_hook(tolerate)
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        finally:
+            handle.remove()
+        if unsaved and hasattr(module, "start_unsaved"):
+            module.start_unsaved(unsaved)
+        return checkpoint
 
 
 def _unlink_shm_buffer(rank: int) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
+from lit_dist.extras import require
 
 
 def load_encoder(spec: dict, field: str = "encoder") -> nn.Module:
@@ -77,10 +78,9 @@ class VAEEncoder(nn.Module):
             seed: Seed of the random initialisation (with config) and of the draws (output: sample).
         """
         super().__init__()
-        try:
-            from diffusers import AutoencoderKL
-        except ImportError as exc:
-            raise ConfigError("data.cache.encoder: VAEEncoder needs diffusers (pip install 'lit-dist[latent]')") from exc
+        require("diffusers", "data.cache.encoder VAEEncoder")
+        from diffusers import AutoencoderKL
+
         if (pretrained is None) == (config is None):
             raise ConfigError("data.cache.encoder.init_args: give VAEEncoder exactly one of pretrained or config")
         if pretrained is not None:
@@ -109,6 +109,7 @@ class VAEDecoder(nn.Module):
     def __init__(self, pretrained: str | None = None, subfolder: str | None = None, config: dict | None = None,
                  seed: int = 0):
         super().__init__()
+        require("diffusers", "decoding VAE latents (VAEDecoder)")
         from diffusers import AutoencoderKL
 
         if pretrained is not None:
@@ -158,11 +159,9 @@ class TextEncoder(nn.Module):
             seed: Seed of the random initialisation (with config).
         """
         super().__init__()
-        try:
-            import transformers
-        except ImportError as exc:
-            raise ConfigError("data.cache.caption_encoder: TextEncoder needs transformers "
-                              "(pip install 'lit-dist[text]')") from exc
+        require("transformers", "data.cache.caption_encoder TextEncoder")
+        import transformers
+
         if (pretrained is None) == (config is None):
             raise ConfigError("data.cache.caption_encoder.init_args: give TextEncoder exactly one of pretrained or config")
         if kind not in ("t5", "clip"):

@@ -96,6 +96,20 @@ class Samples(Callback):
     def connect(self, control: RunControl) -> None:
         self._control = control
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # What the first grid will need, checked before the first step (every rank: each raises the same line).
+        if not self._active(pl_module) or not (self.at_validation or self.every_n_steps or self.at_end):
+            return
+        from lit_dist.extras import require
+
+        objective = type(pl_module.objective).__name__
+        require("diffusers", f"samples (the sampler of model.objective {objective}; samples.at_validation: false, "
+                             "every_n_steps: null and at_end: false turn them off)")
+        data = trainer.datamodule
+        spec = getattr(getattr(data, "cache", None), "caption_encoder", None) or {}
+        if pl_module.objective.condition == "caption" and str(spec.get("class_path", "")).endswith(".TextEncoder"):
+            require("transformers", "samples (their prompts go through data.cache.caption_encoder TextEncoder)")
+
     def _active(self, pl_module) -> bool:
         from lit_dist.objectives import Generative
 

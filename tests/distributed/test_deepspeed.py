@@ -193,3 +193,29 @@ def test_a_save_that_fails_on_one_rank_leaves_no_checkpoint_that_passes_for_comp
     checkpoints = run_dir / "checkpoints"
     assert not list(checkpoints.glob(f"*/{MARKER}")), "a checkpoint without rank 1's part passes for complete"
     assert not list(checkpoints.glob("step-*")), "the failed save's folder is removed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["zero2", "zero3"])
+def test_a_resume_turns_the_weight_average_on_and_off(preset, tmp_path, demo_data):
+    # DeepSpeed loads the module itself, strictly: a missing or unexpected average was its RuntimeError's traceback.
+    def resume(max_steps, *extra):
+        args = quickstart_args(tmp_path, demo_data, CONFIGS / f"deepspeed_{preset}.yaml", trainer__devices=2,
+                               trainer__accelerator="cpu", data__batch_size_per_device=8, data__num_workers=0,
+                               trainer__max_steps=max_steps, trainer__limit_val_batches=0,
+                               trainer__enable_progress_bar=False, checkpoint__every_n_steps=4,
+                               checkpoint__every_n_epochs=None, export__filename=None, run__run_id="r")
+        return lit_dist("fit", *args, *extra, timeout=300)
+
+    checkpoints = tmp_path / "quickstart" / "r" / "checkpoints"
+    assert resume(4).returncode == 0
+    out = resume(8, "--model.ema.start_step", "100")  # turned on here; no update before step 100
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "has no weight average (model.ema): it starts from its weights" in out.stderr
+    saved, now = (load_checkpoint_state(str(checkpoints / checkpoint_name(s))) for s in (4, 8))
+    averaged = [k for k in now if k.startswith("ema.average.")]
+    assert averaged and all(torch.equal(now[k], saved["net." + k.removeprefix("ema.average.")]) for k in averaged), \
+        "the average starts from the weights the run resumed with"
+    out = resume(12)  # turned off again: the saved average is left behind
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not any(k.startswith("ema.") for k in load_checkpoint_state(str(checkpoints / checkpoint_name(12))))

@@ -1,6 +1,8 @@
 """How the command line reports what went wrong: a user error in one line, a bug with its traceback, and the
 commands' own flags parsed as their signatures say."""
 
+from pathlib import Path
+
 import pytest
 from lightning.pytorch import Callback
 
@@ -65,3 +67,22 @@ def test_a_command_s_help_lists_its_own_flags_from_its_signature():
     assert "its own options:" in out.stdout and "--trainer.devices" in out.stdout
     assert "--steps STEPS" in out.stdout and "(type: int, default: 60)" in " ".join(out.stdout.split())
     assert "--check {true,false}" in lit_dist("cache", "--help").stdout
+
+
+NO_DIFFUSERS = Path(__file__).parent / "without_diffusers"  # its sitecustomize makes `import diffusers` fail
+
+
+@pytest.mark.parametrize("objective", ["FlowMatching", "Diffusion"])
+def test_a_generative_run_without_diffusers_is_refused_before_its_first_step(objective, tmp_path, demo_data):
+    # diffusers is an extra: flow matching on pixels trains without it, but its sample grids need its samplers, which
+    # were first imported at the first validation, after the training up to it.
+    args = quickstart_args(tmp_path, demo_data, data__num_workers=0, trainer__max_steps=4,
+                           trainer__enable_progress_bar=False)
+    out = lit_dist("fit", *args, "--model.net", "lit_dist.models.TinyUNet", "--model.net.channels", "[8, 16]",
+                   "--model.objective", f"lit_dist.objectives.{objective}", "--model.objective.condition", "none",
+                   env={"PYTHONPATH": str(NO_DIFFUSERS)})
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "needs diffusers, which is not installed here" in errors[0], errors
+    assert "pip install 'lit-dist[latent]'" in errors[0], errors
+    assert "Epoch 0" not in out.stdout + out.stderr and "train/loss" not in out.stdout + out.stderr
