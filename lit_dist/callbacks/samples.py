@@ -38,7 +38,7 @@ from lightning.pytorch import Callback
 
 from lit_dist.adherence import Judge
 from lit_dist.control import Event, RunControl
-from lit_dist.errors import ConfigError
+from lit_dist.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -195,19 +195,15 @@ class Samples(Callback):
         self._shape = shape_of(self._decoder, size, "samples.size")
 
     def _choose(self, trainer, objective, data) -> tuple[list[str], torch.Tensor | None]:
-        """(prompts as shown, their condition on the CPU): chosen and encoded by rank 0, the same on every rank."""
+        """(prompts as shown, their condition on the CPU): chosen and encoded by rank 0, the same on every rank; if
+        that fails there, every rank raises (none is left waiting in the broadcast)."""
         if objective.condition == "none":
             return [""] * (len(self.prompts) if self.prompts else self.num_prompts), None
-        chosen, problem = None, None
-        if trainer.is_global_zero:
-            try:
-                chosen = _encode(objective, data, self.prompts, self.num_prompts, self.seed)
-            except ConfigError as exc:  # every rank raises it: the others wait in the broadcast below
-                problem = str(exc)
-        chosen, problem = trainer.strategy.broadcast((chosen, problem), src=0)
-        if problem is not None:
-            raise ConfigError(problem)
-        return chosen
+        from lit_dist.distributed import Comm
+
+        comm = Comm(trainer.global_rank, trainer.world_size) if trainer.world_size > 1 else Comm()
+        return comm.on_rank_zero(lambda: _encode(objective, data, self.prompts, self.num_prompts, self.seed),
+                                 "encoding samples.prompts")
 
     def _publish(self, trainer, pixels: torch.Tensor, began: float) -> None:
         """Rank 0: the grid to its PNG and the loggers, the adherence, the event."""
@@ -277,7 +273,11 @@ def _encode(objective, data, prompts: list[str] | None, num_prompts: int, seed: 
         if not prompts:
             raise ConfigError(f"samples.prompts is not set and the validation rows have no "
                               f"{'labels' if objective.condition == 'label' else 'captions'}: give samples.prompts")
-    return encode_prompts(objective, data, [str(p) for p in prompts], "samples.prompts")
+    try:
+        return encode_prompts(objective, data, [str(p) for p in prompts], "samples.prompts")
+    except OSError as exc:  # the encoder's files (a pretrained folder, its tokenizer) could not be read
+        raise DataError(f"samples.prompts: the caption encoder (data.cache.caption_encoder) could not encode them: "
+                        f"{exc}") from exc
 
 
 def _gather(made: list[tuple[int, torch.Tensor]], world: int) -> list[tuple[int, torch.Tensor]]:

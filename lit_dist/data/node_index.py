@@ -27,6 +27,7 @@ import numpy as np
 
 from lit_dist.distributed import Comm
 from lit_dist.errors import LitDistError
+from lit_dist.processes import alive
 
 PREFIX = "lit-dist-index-"
 _OWNER = "owner.json"
@@ -49,12 +50,11 @@ def shared_index(read: Callable[[], tuple[list, list | None]], folder_root: str 
     folder = os.path.join(folder_root, f"{PREFIX}{token}-node{node}")
     result, error, fallback = None, None, None
     if comm.rank == first:
-        try:
+        try:  # whatever either step raises, the other ranks hear it in gather_or_raise instead of waiting there
             result = read()
+            fallback = _write_or_why_not(folder_root, folder, result)
         except Exception as exc:  # noqa: BLE001 - sent to every rank by gather_or_raise, then raised here
             error = exc
-        if error is None:
-            fallback = _write_or_why_not(folder_root, folder, result)
     why = comm.gather_or_raise(fallback, error, "reading the metadata")[first]
     # Every rank runs the same collectives from here whatever its node does: nodes may differ (one falls back).
     loaded = None
@@ -156,22 +156,13 @@ def remove_stale(folder_root: str) -> list[str]:
                 owner = json.load(f)
         except (OSError, ValueError):
             continue  # being made right now, or not ours
-        if owner.get("host") == host and not _alive(int(owner.get("pid", 0))):
+        pid = owner.get("pid") if isinstance(owner, dict) else None
+        if not isinstance(pid, int) or owner.get("host") != host:
+            continue  # not an owner file this code wrote, or another node's
+        if pid <= 0 or not alive(pid):  # a zombie is no owner either
             _remove(path)
             removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _release_arrow_memory() -> None:

@@ -111,3 +111,50 @@ def test_a_node_that_falls_back_runs_the_same_collectives_as_one_that_shares(tmp
         assert mixed[rank][:2] == private[rank][:2]
     assert "lit-dist: node node1: every rank reads the metadata itself" in capfd.readouterr().err
     assert os.listdir(shm) == []
+
+
+def _failing_worker(rank: int, port: int, metadata: str, node_index_dir, queue) -> None:
+    import time
+
+    import lit_dist.data.node_index as node_index
+    from lit_dist.data.datamodule import BucketDataModule
+
+    def write(*_):  # what a table Arrow cannot write, or a bug, raises: not an OSError
+        raise TypeError("injected: an extra column of mixed types")
+
+    if rank == 0:
+        node_index.write = write
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    began = time.monotonic()
+    try:
+        BucketDataModule(metadata, resolution=32, batch_size_per_device=4, num_workers=0,
+                         node_index_dir=node_index_dir).setup("fit")
+        queue.put((rank, None, time.monotonic() - began))
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the test's finding
+        queue.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - began))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_error_other_than_oserror_writing_the_index_reaches_every_rank(tmp_path, demo_data):
+    # The node's first rank wrote the index outside the guard that hands its errors to the others: they waited in
+    # the gather for the collective timeout (30 minutes).
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_failing_worker, args=(r, port, str(demo_data), str(shm), queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        said = dict((rank, (error, seconds)) for rank, error, seconds in (queue.get(timeout=120) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert said[0][0] == "TypeError: injected: an extra column of mixed types", said
+    assert said[1][0] == "RuntimeError: reading the metadata failed on rank 0: TypeError: injected: an extra column " \
+                         "of mixed types", said
+    assert said[1][1] < 30, said  # at once, not at a timeout

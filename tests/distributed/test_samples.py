@@ -2,10 +2,13 @@
 size (1 or 2 processes, DDP or FSDP2), the run trains bitwise the same with samples as without, and the grid
 of a model trained on VAE latents is decoded into images."""
 
+import json
+
 import pytest
 import torch
 from PIL import Image
 
+from lit_dist.errors import ExitCode
 from lit_dist.export import load_checkpoint_state
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 
@@ -101,3 +104,19 @@ def test_prompts_rank_0_cannot_encode_end_every_rank_with_exit_2(tmp_path, demo_
     assert out.returncode == 2, out.stderr[-3000:]
     assert "samples.prompts has 'hexagon': a label-conditioned model takes class numbers or the names" in out.stderr
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_prompts_the_caption_encoder_cannot_read_end_every_rank_with_one_line(tmp_path, demo_data):
+    # Rank 0 alone encodes the prompts; an error other than a ConfigError there left rank 1 in the broadcast until the
+    # process group's timeout.
+    net = {"class_path": "lit_dist.models.TinyUNet", "init_args": {"channels": [8, 16], "context_dim": 8, "embed_dim": 16,
+                                                                 "num_classes": None}}  # not the quickstart's 4
+    captions = ["--model.net", json.dumps(net), "--model.objective", "lit_dist.objectives.FlowMatching", "--data.cache.dir", str(tmp_path / "cache"),
+                "--data.cache.caption_encoder", json.dumps({"class_path": "tests.helpers.encoders.ByteCaptionEncoder",
+                                                            "init_args": {"dim": 8, "unreadable": "boom"}}),
+                "--samples.prompts", '["a boom"]',
+                "--samples.steps", "2", "--samples.every_n_steps", "2"]
+    out = lit_dist("fit", *args(tmp_path, demo_data, "r"), "--trainer.strategy", "ddp", *captions, timeout=180)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert out.returncode == ExitCode.DATA_ERROR and "Traceback" not in out.stderr, out.stderr[-4000:]
+    assert len(errors) == 2 and all("tokenizer/boom.json" in line for line in errors), errors

@@ -278,3 +278,18 @@ def test_a_batch_without_the_models_keys_is_one_config_error_naming_what_it_hold
     objective.bind("image", "target")
     with pytest.raises(ConfigError, match=r"model.target_key = 'target'"):
         objective.loss(nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 12, 3)), batch(), train=True)
+
+
+def test_evaluation_noises_differ_within_a_batch_without_rows():
+    # Batches of a data module other than lit-dist's have no "row": every sample of one drew the same noise.
+    objective = FlowMatching(condition="none")
+    seen = []
+
+    def net(x_t, timestep, condition):
+        seen.append(x_t.clone())
+        return torch.zeros_like(x_t)
+
+    objective.bind("image", "label")
+    objective.fixed_losses(net, torch.zeros(3, 2, 4, 4), None, rows=None)
+    noises = seen[0]  # at t = 1 / (2 x eval_timesteps) with x0 = 0: x_t is the noise times t
+    assert not torch.equal(noises[0], noises[1]) and not torch.equal(noises[1], noises[2])

@@ -14,6 +14,7 @@ from lit_dist.adherence import Judge, ShapesJudge
 from lit_dist.callbacks.progress import Progress
 from lit_dist.callbacks.samples import Samples
 from lit_dist.control import RunControl
+from lit_dist.ema import EMA
 from lit_dist.errors import ConfigError
 from lit_dist.models import TinyUNet
 from lit_dist.module import LitModel
@@ -39,10 +40,10 @@ class FirstHalf(Judge):
         return torch.tensor([p in ("circle", "0") for p in prompts])
 
 
-def fit(samples: Samples | None, root: str, steps: int = 4):
+def fit(samples: Samples | None, root: str, steps: int = 4, ema: EMA | None = None):
     seed_everything(0)
     model = LitModel(TinyUNet(channels=(8, 16), num_classes=4, embed_dim=16),
-                     objective=FlowMatching(condition="label", null_label=4),
+                     objective=FlowMatching(condition="label", null_label=4), ema=ema,
                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
     progress = Progress()
     callbacks = [RunControl(), progress, *([samples] if samples else [])]
@@ -74,6 +75,16 @@ def test_grids_at_the_asked_steps_in_png_and_tensorboard_with_their_time_and_adh
     plain, _ = fit(None, tempfile.mkdtemp())
     for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_grid_of_several_groups_swaps_the_average_in_once(monkeypatch):
+    # Each swap copies every local parameter (under ZeRO-3 it gathers twice): once per grid, not once per group.
+    swaps = []
+    monkeypatch.setattr(EMA, "swap_in", lambda self, real=EMA.swap_in: (swaps.append(1), real(self))[1])
+    samples = Samples(prompts=["0", "1", "2"], per_prompt=2, steps=2, every_n_steps=2, size=16, batch_size=2,
+                      at_end=False)
+    fit(samples, tempfile.mkdtemp(), steps=2, ema=EMA(decay=0.5))
+    assert samples.last_path is not None and len(swaps) == 1  # 3 groups of 2 images, one grid
 
 
 def test_a_classifier_run_makes_no_samples():
