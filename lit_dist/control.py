@@ -377,7 +377,7 @@ class Console:
     """The console's subscription: warnings and worse as one line each in the log of the rank that has them."""
 
     def send(self, event: Event) -> None:
-        if event.type == "run.failed":  # the process's own error line says it, once
+        if event.type in ("run.failed", "run.hung"):  # the process's own line says it, once (the hang watchdog's)
             return
         if event.severity != "info":
             log.warning("lit-dist: %s", event.message or event.title)

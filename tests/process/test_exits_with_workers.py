@@ -61,6 +61,7 @@ def test_a_fault_with_workers_blocked_in_reads_ends_the_process_within_seconds(f
     said = "lit-dist: hang:" if fault == "hang" else "lit-dist: error:"
     errors = [line for line in err.splitlines() if line.startswith(said)]
     assert returncode == code and len(errors) == 1, err[-3000:]
+    assert err.count(errors[0].split(": ", 2)[2][:40]) == 1, err[-3000:]  # said once, not again by the console
     assert "Traceback" not in err, err[-3000:]
     assert output.seconds_after(said) < GONE_S, err[-3000:]
     assert not left, left
