@@ -127,7 +127,7 @@ def bench_build(table: str, tmp: str, rounds: int) -> dict:
     config = os.path.join(tmp, "build.yaml")
     with open(config, "w") as f:
         yaml.safe_dump({"trainer": {"accelerator": "cpu"},
-                        "model": {"net": {"class_path": "lit_dist.models.SimpleCNN"}},
+                        "model": {"net": {"class_path": "lit_dist.model.nets.SimpleCNN"}},
                         "data": {"metadata": table, "resolution": RESOLUTION, "num_workers": 0,
                                  "allow_oversubscription": True, "cache": {"dir": "", "mode": "build"}}}, f)
     runs = []  # samples/s of each run, 1 and 2 processes in turn
@@ -152,7 +152,7 @@ def bench_latent(tmp: str, epochs: int, seeds: int, images: int, warmup_steps: i
     first seed after ``warmup_steps``, accuracy means over seeds."""
     import pyarrow.parquet as pq
 
-    from lit_dist.data.demo import create_shapes_dataset
+    from lit_dist.data.demo.shapes import create_shapes_dataset
 
     table = os.path.join(tmp, "shapes", "metadata.parquet")
     create_shapes_dataset(table, num_images=images, seed=0, val_fraction=0.5)

@@ -51,7 +51,7 @@ def main() -> None:
     base = [os.path.join(os.path.dirname(sys.executable), "lit-dist"), "fit", "--trainer.max_steps", str(args.steps),
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
             "--trainer.callbacks+=benchmarks.common.StepTimer", "--run.root_dir", tmp,
-            "--model.net", "lit_dist.models.SimpleCNN", "--model.net.num_classes", "4",
+            "--model.net", "lit_dist.model.nets.SimpleCNN", "--model.net.num_classes", "4",
             "--data", "benchmarks.common.InMemoryData"]
     with_callbacks = base + [
         "--trainer.callbacks+=lit_dist.callbacks.circuit_breaker.GPUCircuitBreaker",

@@ -26,7 +26,7 @@ from benchmarks.common import SHORT_HELP, InMemoryData, machine, result_line
 from benchmarks.models import MLPClassifier
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt.store import STATE
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
 
 
 class Measure(Callback):

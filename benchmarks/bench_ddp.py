@@ -34,7 +34,7 @@ def main() -> None:
     lit = [os.path.join(bindir, "lit-dist"), "fit", "--trainer.devices", "2", "--config", "configs/ddp.yaml",
            "--trainer.max_steps", str(args.steps), "--trainer.enable_progress_bar", "false",
            "--trainer.enable_model_summary", "false", "--trainer.callbacks+=benchmarks.common.StepTimer",
-           "--run.root_dir", tmp, "--model.net", "lit_dist.models.SimpleCNN", "--model.net.num_classes", "4",
+           "--run.root_dir", tmp, "--model.net", "lit_dist.model.nets.SimpleCNN", "--model.net.num_classes", "4",
            "--model.optimizer.class_path", "torch.optim.AdamW", "--model.optimizer.init_args.lr", "0.001",
            "--data", "benchmarks.common.InMemoryData", "--data.num_samples", str(args.samples)]
     # --standalone: a free port. torchrun's fixed default (29500) joins any other job's store there and waits forever.

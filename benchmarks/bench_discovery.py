@@ -121,7 +121,7 @@ def main() -> None:
     import pyarrow  # noqa: F401
     import tqdm  # noqa: F401
 
-    import lit_dist.distributed  # noqa: F401  (imports torch, which a scan in a training process has paid for)
+    import lit_dist.runtime.distributed  # noqa: F401  (imports torch, which a scan in a training process has paid for)
     from lit_dist.data.discovery import scan_folder
 
     with tempfile.TemporaryDirectory(prefix="lit-dist-bench-") as root:

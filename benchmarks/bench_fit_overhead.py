@@ -36,7 +36,7 @@ def main() -> None:
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
            "--trainer.log_every_n_steps", "50", "--trainer.callbacks+=benchmarks.common.StepTimer",
            "--run.root_dir", tmp, "--run.name", "lit",
-           "--model.net", "lit_dist.models.SimpleCNN", "--model.net.num_classes", "4",
+           "--model.net", "lit_dist.model.nets.SimpleCNN", "--model.net.num_classes", "4",
            "--model.optimizer.class_path", "torch.optim.AdamW", "--model.optimizer.init_args.lr", "0.001",
            "--data", "benchmarks.common.InMemoryData"]
     plain = [sys.executable, "-m", "benchmarks.plain_lightning", str(args.steps), os.path.join(tmp, "plain")]

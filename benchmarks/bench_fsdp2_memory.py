@@ -38,7 +38,7 @@ def main() -> None:
         args.width, args.depth = 256, 2
     with tempfile.TemporaryDirectory(prefix="lit-dist-bench-") as root:
         ddp = run(["--trainer.strategy", "ddp"], args, root)
-        fsdp2 = run(["--trainer.strategy", "lit_dist.strategies.FSDP2Strategy",
+        fsdp2 = run(["--trainer.strategy", "lit_dist.strategies.fsdp.FSDP2Strategy",
                      "--trainer.strategy.block_classes", "[benchmarks.models.MLPBlock]"], args, root)
     mib = 2**20
     print(f"machine: {machine()}; {ddp['num_params'] / 1e6:.1f} M parameters, AdamW, 2 processes (gloo)")

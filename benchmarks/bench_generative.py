@@ -7,7 +7,7 @@ text-to-image quickstart with a sample grid, and what the weight average (model.
    >= 3x (as bench_cache's part 3, which also checks that both reach the same accuracy).
 2. t2i: configs/t2i_quickstart.yaml (TinyUNet, flow matching, T5 caption cache, model.ema at decay 0.999) for
    ``--t2i-epochs`` epochs (60: 4,980 steps): steps/s and the last training loss. Then prompt adherence
-   (lit_dist.adherence.ShapesJudge, with the classification quickstart trained first as its classifier):
+   (lit_dist.data.demo.judge.ShapesJudge, with the classification quickstart trained first as its classifier):
    `lit-dist sample` of 32 validation captions x 4 images (128 per seed: with 64, one image is 1.6 points), 30
    steps, guidance 4, seeds 0 and 1, with the average and with the raw weights; the figure is the lower seed's.
    Target >= 0.8 with the average on each seed, and the average not below the raw weights.
@@ -72,7 +72,7 @@ def latent(args, tmp: str, common: list[str]) -> dict:
 def t2i(args, tmp: str, common: list[str]) -> dict:
     """Train the t2i quickstart; score its samples with the quickstart classifier (EMA and raw weights, two seeds)."""
     judge = args.judge or train_judge(args, tmp, common)
-    scored = ["--samples.judge", "lit_dist.adherence.ShapesJudge", "--samples.judge.classifier", judge]
+    scored = ["--samples.judge", "lit_dist.data.demo.judge.ShapesJudge", "--samples.judge.classifier", judge]
     grids = [] if args.t2i_grid_steps is None else ["--samples.steps", str(args.t2i_grid_steps)]
     t2i = t2i_cached(tmp, common)
     began = time.perf_counter()
@@ -141,7 +141,7 @@ def t2i_cached(tmp: str, common: list[str]) -> list[str]:
 
 
 def train_judge(args, tmp: str, common: list[str]) -> str:
-    """The classification quickstart, trained once: its model.pt judges the samples (lit_dist.adherence)."""
+    """The classification quickstart, trained once: its model.pt judges the samples (lit_dist.model.judge)."""
     began = time.perf_counter()
     epochs = [] if args.judge_epochs is None else ["--trainer.max_epochs", str(args.judge_epochs)]
     out = lit_dist("fit", "--config", "configs/quickstart.yaml", *common, *epochs, "--trainer.limit_val_batches", "1.0",
@@ -240,7 +240,7 @@ def main() -> None:
     if not cuda:
         common += ["--trainer.accelerator", "cpu"]
     if {"latent", "t2i", "sampling"} & set(args.parts):
-        from lit_dist.data.demo import create_shapes_dataset
+        from lit_dist.data.demo.shapes import create_shapes_dataset
 
         create_shapes_dataset(table, num_images=args.images, seed=0)
     figures: dict = {}

@@ -38,12 +38,12 @@ from torch.distributed.tensor import DTensor
 
 from benchmarks.common import SHORT_HELP, InMemoryData, machine, result_line
 from benchmarks.models import MLPClassifier
-from lit_dist import compat
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt.store import STATE
-from lit_dist.distributed import all_gather_object
-from lit_dist.module import LitModel
-from lit_dist.strategies import FSDP2Strategy
+from lit_dist.model.module import LitModel
+from lit_dist.runtime import compat
+from lit_dist.runtime.distributed import all_gather_object
+from lit_dist.strategies.fsdp import FSDP2Strategy
 
 KINDS = ("sync", "async", "bare", "bare_fsync")
 

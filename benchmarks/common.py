@@ -13,7 +13,7 @@ import uuid
 import torch
 from lightning.pytorch import Callback, LightningDataModule
 
-from lit_dist.processes import alive, tagged
+from lit_dist.runtime.processes import alive, tagged
 
 
 class InMemoryData(LightningDataModule):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import InMemoryData
-from lit_dist.models import SimpleCNN
+from lit_dist.model.nets import SimpleCNN
 
 
 def main(steps: int, num_samples: int = 32768, warmup: int = 20) -> None:

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 
 from benchmarks.common import InMemoryData, StepTimer
-from lit_dist.models import SimpleCNN
+from lit_dist.model.nets import SimpleCNN
 
 
 class Plain(LightningModule):

@@ -258,7 +258,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="lit-dist-profile-") as root:
         if "quickstart" in args.runs:
-            from lit_dist.data.demo import create_shapes_dataset
+            from lit_dist.data.demo.shapes import create_shapes_dataset
 
             create_shapes_dataset(os.path.join(root, "shapes", "metadata.parquet"), num_images=args.images, seed=0)
         for name in args.runs:

@@ -19,7 +19,7 @@ __all__ = ["LitModel", "BucketDataModule", "__version__"]
 
 def __getattr__(name: str):
     if name == "LitModel":
-        from lit_dist.module import LitModel
+        from lit_dist.model.module import LitModel
 
         return LitModel
     if name == "BucketDataModule":

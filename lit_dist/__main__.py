@@ -1,6 +1,6 @@
 """The ``lit-dist`` command (and ``python -m lit_dist``): its first code, before the CLI's import.
 
-Importing lit_dist.cli imports Lightning, torch and torch._dynamo: about 4 s before anything else can run. When
+Importing lit_dist.cli.app imports Lightning, torch and torch._dynamo: about 4 s before anything else can run. When
 the command will start loader workers through a fork server (lit_dist/reading/workers.py), that server is made a
 fork of this process right after the import, sharing it; where it cannot be, it is started before the import,
 so that its own import of the same modules runs beside this one. This module imports nothing heavy: loader
@@ -11,8 +11,8 @@ import sys
 
 
 def main() -> None:
-    from lit_dist.processes import quiet_resource_tracker
     from lit_dist.reading import workers
+    from lit_dist.runtime.processes import quiet_resource_tracker
 
     quiet_resource_tracker()  # before any helper process starts
 
@@ -20,7 +20,7 @@ def main() -> None:
     forked = start is not None and workers.can_fork_server()
     if start is not None and not forked:  # a new interpreter: its import beside ours (quickstart 10.8 -> 7.1 s)
         workers.start_early(start)
-    from lit_dist.cli import main as cli_main
+    from lit_dist.cli.app import main as cli_main
 
     if forked:
         workers.fork_server_here()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lit_dist import compat
-from lit_dist.processes import tagged
+from lit_dist.runtime import compat
+from lit_dist.runtime.processes import tagged
 
 # In-process trainers get the console the lit-dist command line sets up (TQDM and the plain model summary, with
 # or without rich installed).
@@ -53,7 +53,7 @@ def _no_cluster_env(monkeypatch):
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
     """A small demo dataset (400 images) made once per test session; returns the metadata path."""
-    from lit_dist.data.demo import create_shapes_dataset
+    from lit_dist.data.demo.shapes import create_shapes_dataset
 
     path = tmp_path_factory.mktemp("demo") / "shapes" / "metadata.parquet"
     create_shapes_dataset(str(path), num_images=400, seed=0)

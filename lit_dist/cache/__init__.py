@@ -8,5 +8,5 @@
     build.py      every rank builds its share of what is missing; rank 0 publishes
     reader.py     per-sample lookups for the loader workers
 
-The ``lit-dist cache`` command (build, ``--check``) is ``lit_dist/commands/cache.py``.
+The ``lit-dist cache`` command (build, ``--check``) is ``lit_dist/cli/commands/cache.py``.
 """

@@ -86,7 +86,7 @@ def _fill(plan, device: torch.device) -> Opened:
     """Mode ondemand: read what the cache has; what it lacks is made while training (see ondemand.py)."""
     from lit_dist.cache.build import _drop_damaged, check_encoder, check_sources, prepare
     from lit_dist.cache.ondemand import FillKeys, OnDemandFill
-    from lit_dist.distributed import Comm
+    from lit_dist.runtime.distributed import Comm
 
     comm = Comm.current()
     prepare(plan, comm)

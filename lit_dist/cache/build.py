@@ -5,7 +5,7 @@ torchrun or ``--trainer.devices N``) and at the start of ``fit`` with ``data.cac
 build``. Order of work, the same on every rank:
 
 1. rank 0 folds the shard lists of earlier, interrupted builds into the manifest and removes
-   unlisted shard files; barrier. (``lit_dist.distributed.Comm`` carries the collectives.)
+   unlisted shard files; barrier. (``lit_dist.runtime.distributed.Comm`` carries the collectives.)
 2. every rank checks its share of the listed shards (sizes, and with ``verify`` their sha256)
    and that it can write; one all-gather; rank 0 drops the damaged shards; barrier.
 3. every rank reads the index, computes what is missing (the same list on every rank) and
@@ -28,13 +28,13 @@ import torch
 
 from lit_dist.cache.plan import CachePlan
 from lit_dist.cache.store import new_build_id
-from lit_dist.distributed import Comm
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.reading.crops import centre_crop
 from lit_dist.reading.presence import check_files_exist
 from lit_dist.reading.unreadable import BadImage
 from lit_dist.reading.workers import STOP_SIGNALS, Start, context, ignore_stop_signals
-from lit_dist.slurm import requeue
+from lit_dist.runtime.distributed import Comm
+from lit_dist.runtime.slurm import requeue
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
-from lit_dist.extras import require
+from lit_dist.runtime.extras import require
 
 
 def load_encoder(spec: dict, field: str = "encoder") -> nn.Module:

@@ -18,10 +18,10 @@ import json
 
 import numpy as np
 
-from lit_dist import outage
-from lit_dist.hashing import GOLDEN_GAMMA, MIX1, MIX2
+from lit_dist.reading.hashing import GOLDEN_GAMMA, MIX1, MIX2
 from lit_dist.reading.names import name_hashes
 from lit_dist.reading.presence import mtime
+from lit_dist.runtime import outage
 
 _M = np.uint64(GOLDEN_GAMMA)
 PIXEL_RULE = {

@@ -19,7 +19,7 @@ import torch
 from lit_dist.cache.build import _encode
 from lit_dist.cache.shards import ShardWriter, from_stored
 from lit_dist.cache.store import new_build_id
-from lit_dist.distributed import Comm
+from lit_dist.runtime.distributed import Comm
 
 
 class FillKeys:

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lit_dist import outage
 from lit_dist.cache.keys import _combine
 from lit_dist.cache.shards import ENCODING_KEYS, CorruptEntry, decode, read_index
 from lit_dist.reading.unreadable import MISSING as FILE_MISSING
 from lit_dist.reading.unreadable import BadSample
+from lit_dist.runtime import outage
 
 MISSING = -1
 

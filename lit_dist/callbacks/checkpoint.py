@@ -52,18 +52,18 @@ from typing import Literal, NamedTuple
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lit_dist import compat
 from lit_dist.ckpt import resume
 from lit_dist.ckpt.files import write_bytes_atomically
 from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.saver import Rotation, Saver, summary
 from lit_dist.ckpt.state import rng_state, set_rng_state, start_rank_streams
 from lit_dist.ckpt.store import MARKER, PROBE, STATE, CheckpointStore
-from lit_dist.control import Agreed, Event, RunControl
-from lit_dist.distributed import all_gather_object
 from lit_dist.errors import CheckpointError, ConfigError
-from lit_dist.outage import DEADLINE_S, StoreUnreachable
-from lit_dist.run import RUN_ID_ENV, process_age_s
+from lit_dist.runtime import compat
+from lit_dist.runtime.control import Agreed, Event, RunControl
+from lit_dist.runtime.distributed import all_gather_object
+from lit_dist.runtime.outage import DEADLINE_S, StoreUnreachable
+from lit_dist.runtime.run_dir import RUN_ID_ENV, process_age_s
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ class Checkpointing(Checkpoint):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.every_n_minutes and self._control is None:
-            raise ConfigError("checkpoint.every_n_minutes needs lit_dist.control.RunControl among the trainer's "
+            raise ConfigError("checkpoint.every_n_minutes needs lit_dist.runtime.control.RunControl among the trainer's "
                               "callbacks (lit-dist fit adds it; add RunControl() when building a Trainer yourself)")
         # As late as possible: whatever ran since the checkpoint was loaded must not shift the streams.
         if self._rng is not None and len(self._rng) == trainer.world_size:
@@ -390,7 +390,7 @@ class Checkpointing(Checkpoint):
             rank_zero_info(f"lit-dist: first step after resuming (step {step}) done"
                            + (f" {age:.1f} s after the process started" if age is not None else ""))
         self._last_seen_step = step
-        # Epoch saves happen here, after the epoch's last batch (see lit_dist.compat.as_next_epoch_start).
+        # Epoch saves happen here, after the epoch's last batch (see lit_dist.runtime.compat.as_next_epoch_start).
         last_batch = compat.is_last_batch(trainer)
         epochs_done = trainer.current_epoch + 1
         reason = None

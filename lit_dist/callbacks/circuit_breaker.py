@@ -12,7 +12,7 @@ on the training thread) and trips on: a new volatile uncorrectable ECC error bey
 throttling that persists for ``throttle_polls`` polls. Thermal slowdown alone is a
 ``gpu.warning``. When it trips, the rank that saw it publishes ``gpu.fault`` (with the GPU's
 index, UUID, name, PCI id and readings) to the webhooks and the console; the fault is a fact
-shared with the run control (``lit_dist.control``), so at most ``control.sync_every_n_steps`` + 1
+shared with the run control (``lit_dist.runtime.control``), so at most ``control.sync_every_n_steps`` + 1
 steps later all ranks stop together at the same step and exit with code 10 (docs/exit-codes.md)
 so Slurm or Kubernetes can drain the node. In a Slurm job (``exclude_node``, on by default
 there) rank 0 first requeues the job with the faulty GPU's node added to the job's excluded nodes,
@@ -46,9 +46,9 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_dist.control import Agreed, Event, RunControl, Stop
 from lit_dist.errors import ConfigError, ExitCode, LitDistError
-from lit_dist.slurm import check_exclusion, excluding
+from lit_dist.runtime.control import Agreed, Event, RunControl, Stop
+from lit_dist.runtime.slurm import check_exclusion, excluding
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class GPUCircuitBreaker(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self._control is None:
-            raise ConfigError("GPUCircuitBreaker needs lit_dist.control.RunControl among the trainer's callbacks "
+            raise ConfigError("GPUCircuitBreaker needs lit_dist.runtime.control.RunControl among the trainer's callbacks "
                               "(lit-dist fit adds it; add RunControl() when building a Trainer yourself)")
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -298,7 +298,7 @@ class GPUCircuitBreaker(Callback):
 
         def announce(trainer, saved) -> None:
             if trainer.is_global_zero and nodes and excluding(self.exclude_node):
-                from lit_dist.slurm import requeue
+                from lit_dist.runtime.slurm import requeue
 
                 self.requeued = requeue(exclude=nodes)
                 log.warning("lit-dist: GPU fault on %s: %s", ", ".join(nodes), self.requeued)

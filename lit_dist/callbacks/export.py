@@ -16,9 +16,9 @@ import os
 import torch
 from lightning.pytorch import Callback
 
+from lit_dist.ckpt.export import save_atomically, strip_prefix, to_full_precision
 from lit_dist.ckpt.space import full_error, room, room_text, size_text
 from lit_dist.errors import StorageFull
-from lit_dist.export import save_atomically, strip_prefix, to_full_precision
 
 
 class ExportModel(Callback):
@@ -89,7 +89,7 @@ def _deepspeed_full_state(trainer) -> dict:
     """DeepSpeed keeps the float32 master weights in the optimizer: save a checkpoint, convert it on rank 0."""
     import shutil
 
-    from lit_dist.export import load_checkpoint_state
+    from lit_dist.ckpt.export import load_checkpoint_state
 
     folder = os.path.join(trainer.default_root_dir, ".export-deepspeed")
     trainer.save_checkpoint(folder)  # collective: every rank writes its partition

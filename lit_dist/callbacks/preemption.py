@@ -3,7 +3,7 @@
 The signal handler only sets a flag: saving inside a handler interrupts the training thread at
 an arbitrary point and can hang in a collective (Lightning #21406, which is why Lightning's own
 ``auto_requeue`` is turned off). The flag is a fact shared with the run control
-(``lit_dist.control``); once the ranks agree that any of them got the signal (at most
+(``lit_dist.runtime.control``); once the ranks agree that any of them got the signal (at most
 ``control.sync_every_n_steps`` + 1 steps later), the run control, on every rank together:
 
 1. saves the step (the atomic save; waits for any asynchronous one),
@@ -28,10 +28,10 @@ import time
 
 from lightning.pytorch import Callback
 
-from lit_dist.control import Agreed, Event, RunControl, Stop
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.reading.workers import STOP_SIGNALS
-from lit_dist.slurm import job_id, requeue
+from lit_dist.runtime.control import Agreed, Event, RunControl, Stop
+from lit_dist.runtime.slurm import job_id, requeue
 
 
 class Preemption(Callback):
@@ -67,7 +67,7 @@ class Preemption(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self._control is None:
-            raise ConfigError("Preemption needs lit_dist.control.RunControl among the trainer's callbacks "
+            raise ConfigError("Preemption needs lit_dist.runtime.control.RunControl among the trainer's callbacks "
                               "(lit-dist fit adds it; add RunControl() when building a Trainer yourself)")
         # After Lightning registered its own handlers (at the start of fit), so these replace them.
         if threading.current_thread() is not threading.main_thread():

@@ -9,13 +9,13 @@ loop, tensor shapes, a FLOP count taken once per batch shape):
 ``throughput/samples_per_s_per_device``      this device's
 ``throughput/tflops_per_device``             model FLOPs (forward and backward) per second per device
 ``throughput/mfu``                           the same against the device's peak at the run's precision (table
-                                             in lit_dist.perf, or ``peak_tflops``); on CPU only with ``peak_tflops``
+                                             in lit_dist.watch.perf, or ``peak_tflops``); on CPU only with ``peak_tflops``
 ``throughput/data_wait``                     share of the loop's wall time between one step's end and the next
                                              one's start: the wait for the batch, and the loop's own work
 ``throughput/samples_per_s_bucket_WxH``      per bucket shape (time from a batch's start to its end)
 ===========================================  =============================================================
 
-Goodput (``lit_dist.goodput``): where the wall time went (training, data waits, checkpoint stalls,
+Goodput (``lit_dist.watch.goodput``): where the wall time went (training, data waits, checkpoint stalls,
 validation, sample grids (event ``samples.written``), start-up, work lost to restarts), kept in every checkpoint so that it adds up over
 requeues; logged as ``goodput/*``, printed at the end of ``fit`` and sent with ``run.finished``.
 
@@ -35,11 +35,11 @@ from typing import Literal
 
 from lightning.pytorch import Callback
 
-from lit_dist import goodput
-from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError
-from lit_dist.perf import FlopMeter, Totals, peak_tflops
-from lit_dist.run import process_age_s
+from lit_dist.runtime.control import Event, RunControl
+from lit_dist.runtime.run_dir import process_age_s
+from lit_dist.watch import goodput
+from lit_dist.watch.perf import FlopMeter, Totals, peak_tflops
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class Progress(Callback):
         # A step measured under torch's FlopCounterMode computes its gradients a little differently (bitwise), so a
         # resumed run must measure the steps the uninterrupted run measured, not each shape again: every rank's
         # measured shapes travel in the checkpoint (a collective: every rank saves).
-        from lit_dist.distributed import all_gather_object
+        from lit_dist.runtime.distributed import all_gather_object
 
         mine = [[list(shape), flops] for shape, flops in self.flops_per_sample.items()]
         state = checkpoint.get("callbacks", {}).get(self.state_key)

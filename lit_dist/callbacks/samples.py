@@ -24,7 +24,7 @@ Example::
       guidance: 4.0
       every_n_steps: 500
       judge:                                    # the shapes demo: a classifier trained on the real shapes
-        class_path: lit_dist.adherence.ShapesJudge
+        class_path: lit_dist.data.demo.judge.ShapesJudge
         init_args: {classifier: runs/quickstart/r1/model.pt}
 """
 
@@ -36,9 +36,9 @@ import time
 import torch
 from lightning.pytorch import Callback
 
-from lit_dist.adherence import Judge
-from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError, DataError
+from lit_dist.model.judge import Judge
+from lit_dist.runtime.control import Event, RunControl
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Samples(Callback):
             at_end: Also sample when training ends (unless the last step was sampled already).
             batch_size: Images per denoiser call (a group); the groups are spread over the ranks.
             size: Side of the square images in pixels; default: data.resolution.
-            judge: Scores each image against its prompt (lit_dist.adherence); its mean is logged as samples/adherence.
+            judge: Scores each image against its prompt (lit_dist.model.judge); its mean is logged as samples/adherence.
         """
         problems = []
         for name, value in (("num_prompts", num_prompts), ("per_prompt", per_prompt), ("steps", steps),
@@ -100,7 +100,7 @@ class Samples(Callback):
         # What the first grid will need, checked before the first step (every rank: each raises the same line).
         if not self._active(pl_module) or not (self.at_validation or self.every_n_steps or self.at_end):
             return
-        from lit_dist.extras import require
+        from lit_dist.runtime.extras import require
 
         objective = type(pl_module.objective).__name__
         require("diffusers", f"samples (the sampler of model.objective {objective}; samples.at_validation: false, "
@@ -111,7 +111,7 @@ class Samples(Callback):
             require("transformers", "samples (their prompts go through data.cache.caption_encoder TextEncoder)")
 
     def _active(self, pl_module) -> bool:
-        from lit_dist.objectives import Generative
+        from lit_dist.model.objectives import Generative
 
         return isinstance(getattr(pl_module, "objective", None), Generative) and hasattr(pl_module, "generate") \
             and hasattr(pl_module, "evaluation_weights")
@@ -165,7 +165,7 @@ class Samples(Callback):
         self._publish(trainer, pixels, began)
 
     def _group(self, pl_module, indices: list[int], device) -> torch.Tensor:
-        from lit_dist.sampling import decode, initial_noise
+        from lit_dist.model.sampling import decode, initial_noise
 
         prompt_of = torch.tensor([i // self.per_prompt for i in indices])
         condition = None if self._condition is None else self._condition[prompt_of].to(device)
@@ -187,7 +187,7 @@ class Samples(Callback):
         size = self.size or getattr(data, "resolution", None)
         if size is None:
             raise ConfigError(f"samples.size is not set and the data module {type(data).__name__} has no resolution")
-        from lit_dist.sampling import decoder_of, shape_of
+        from lit_dist.model.sampling import decoder_of, shape_of
 
         self._decoder = decoder_of(objective, data)
         if self._decoder is not None:
@@ -199,7 +199,7 @@ class Samples(Callback):
         that fails there, every rank raises (none is left waiting in the broadcast)."""
         if objective.condition == "none":
             return [""] * (len(self.prompts) if self.prompts else self.num_prompts), None
-        from lit_dist.distributed import Comm
+        from lit_dist.runtime.distributed import Comm
 
         comm = Comm(trainer.global_rank, trainer.world_size) if trainer.world_size > 1 else Comm()
         return comm.on_rank_zero(lambda: _encode(objective, data, self.prompts, self.num_prompts, self.seed),
@@ -207,7 +207,7 @@ class Samples(Callback):
 
     def _publish(self, trainer, pixels: torch.Tensor, began: float) -> None:
         """Rank 0: the grid to its PNG and the loggers, the adherence, the event."""
-        from lit_dist.sampling import grid, write_grid
+        from lit_dist.model.sampling import grid, write_grid
 
         step, rows = self._step(trainer), len(self._chosen)
         path = os.path.join(trainer.default_root_dir, "samples", f"step-{step:09d}.png")
@@ -265,7 +265,7 @@ class Samples(Callback):
 
 def _encode(objective, data, prompts: list[str] | None, num_prompts: int, seed: int) -> tuple[list[str], torch.Tensor]:
     """Rank 0: the prompts (given, or chosen from the validation rows) and their condition on the CPU."""
-    from lit_dist.sampling import encode_prompts
+    from lit_dist.model.sampling import encode_prompts
 
     if not prompts:
         prompts = data.pick("label" if objective.condition == "label" else "caption", num_prompts, seed) \

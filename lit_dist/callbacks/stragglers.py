@@ -48,9 +48,9 @@ from collections import deque
 import numpy as np
 from lightning.pytorch import Callback
 
-from lit_dist.control import Agreed, Event, RunControl, Stop
 from lit_dist.errors import ConfigError, StragglerStop
-from lit_dist.slurm import check_exclusion
+from lit_dist.runtime.control import Agreed, Event, RunControl, Stop
+from lit_dist.runtime.slurm import check_exclusion
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class StragglerDetector(Callback):
         if not self.enabled:
             return
         if self._control is None:
-            raise ConfigError("StragglerDetector needs lit_dist.control.RunControl among the trainer's callbacks "
+            raise ConfigError("StragglerDetector needs lit_dist.runtime.control.RunControl among the trainer's callbacks "
                               "(lit-dist fit adds it; add RunControl() when building a Trainer yourself)")
         self._clock = _CudaClock() if trainer.strategy.root_device.type == "cuda" else _HostClock()
         self._totals[:] = 0
@@ -254,7 +254,7 @@ class StragglerDetector(Callback):
 
         def announce(trainer, saved) -> None:
             if trainer.is_global_zero:
-                from lit_dist.slurm import requeue
+                from lit_dist.runtime.slurm import requeue
 
                 self.requeued = requeue(exclude=[node])
                 log.warning("lit-dist: straggler rank %d: %s", rank, self.requeued)

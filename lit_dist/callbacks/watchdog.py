@@ -27,7 +27,7 @@ published its progress counts as the one behind. From the start of a validation 
 next training batch starts, the limit is half the collective timeout (a large model's save takes minutes).
 
 A rank stuck while holding the interpreter lock runs no Python thread, this one included: its last resort
-(lit_dist/last_resort.py) dumps its stacks from C ``last_resort_after_s`` after its own deadline and exits 12
+(lit_dist/runtime/last_resort.py) dumps its stacks from C ``last_resort_after_s`` after its own deadline and exits 12
 two seconds later. The rank that declares the hang waits for the dumps of the ranks behind (at most that long)
 before it exits, so every rank's stacks are on disk. Configured by the CLI's ``watchdog`` group::
 
@@ -47,12 +47,12 @@ import traceback
 
 from lightning.pytorch import Callback
 
-from lit_dist import compat, roll_call
-from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError, ExitCode
-from lit_dist.last_resort import EXIT_AFTER_DUMP_S, WORKER_DUMPS_ENV, LastResort, dump_helpers
-from lit_dist.roll_call import STORE_ERRORS, rendezvous_store
-from lit_dist.slurm import check_exclusion
+from lit_dist.runtime import compat, roll_call
+from lit_dist.runtime.control import Event, RunControl
+from lit_dist.runtime.last_resort import EXIT_AFTER_DUMP_S, WORKER_DUMPS_ENV, LastResort, dump_helpers
+from lit_dist.runtime.roll_call import STORE_ERRORS, rendezvous_store
+from lit_dist.runtime.slurm import check_exclusion
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class HangWatchdog(Callback):
         next_beat = 0.0
         armed_for = None
         if store is not None:
-            try:  # who this rank is, for the ranks left if it goes away (lit_dist/roll_call.py)
+            try:  # who this rank is, for the ranks left if it goes away (lit_dist/runtime/roll_call.py)
                 roll_call.register(store, rank, self.heartbeat_s)
             except STORE_ERRORS as exc:
                 log.debug("lit-dist watchdog: store unreachable (%s)", exc)
@@ -284,7 +284,7 @@ class HangWatchdog(Callback):
             outcome = "not requeued"
             nodes = sorted({node_of(r) for r in behind} - {None})
             if self.requeue:
-                from lit_dist.slurm import job_id, requeue
+                from lit_dist.runtime.slurm import job_id, requeue
 
                 exclude = nodes if self.exclude_node and len(nodes) == 1 else []  # only when one node is to blame
                 outcome = requeue(exclude=exclude) if job_id() else "not a Slurm job"

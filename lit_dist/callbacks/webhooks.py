@@ -10,7 +10,7 @@ Example (YAML; URLs and tokens come from environment variables or files, never f
               - {kind: discord, url_env: DISCORD_WEBHOOK_URL, min_severity: warning}
               - {kind: raw, url_env: ORCHESTRATOR_URL, auth_header_env: ORCHESTRATOR_TOKEN}
 
-The notifier is a subscriber of the run control's event publisher (``lit_dist.control``): it
+The notifier is a subscriber of the run control's event publisher (``lit_dist.runtime.control``): it
 sends what is published there (schema 1, see docs/webhooks.md): ``run.started``, ``run.progress``,
 ``validation.finished``, ``run.finished``, ``run.failed`` and ``run.preempted`` from rank 0,
 ``checkpoint.saved`` from rank 0 once the checkpoint is complete, ``samples.written`` from rank 0 once a
@@ -39,8 +39,8 @@ from datetime import datetime, timezone
 
 from lightning.pytorch import Callback
 
-from lit_dist.control import Event, RunControl
 from lit_dist.errors import ConfigError
+from lit_dist.runtime.control import Event, RunControl
 
 log = logging.getLogger(__name__)
 

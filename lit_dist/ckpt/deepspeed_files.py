@@ -5,6 +5,12 @@ import os
 import re
 
 
+def is_deepspeed(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a DeepSpeed checkpoint folder: a ``latest`` file, or a ``global_step*`` tag folder."""
+    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "latest")) or
+                                    any(n.startswith("global_step") for n in os.listdir(path)))
+
+
 def tag_folder(path: str | os.PathLike) -> str:
     """The folder of the tag that ``path``'s ``latest`` file names, or ``path`` itself where it has none."""
     tag = os.path.join(path, "latest")

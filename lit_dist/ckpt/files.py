@@ -11,7 +11,7 @@ Object stores (``s3://...`` through fsspec): an object only becomes visible when
 completes, so writing straight to the final key is already all-or-nothing, provided an upload that
 failed half-way is thrown away rather than closed (closing publishes what was written so far).
 Every remote operation of the checkpoint code goes through ``through_outage``: one upload, listing,
-read or deletion, retried whole through an outage of the store (``lit_dist.outage``).
+read or deletion, retried whole through an outage of the store (``lit_dist.runtime.outage``).
 """
 
 import ctypes
@@ -30,8 +30,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from lit_dist import outage
 from lit_dist.ckpt.space import os_errors
+from lit_dist.runtime import outage
 
 T = TypeVar("T")
 

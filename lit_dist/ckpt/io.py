@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from lit_dist import outage
 from lit_dist.ckpt import pickles
 from lit_dist.ckpt.files import FileEntry, filesystem, through_outage, write_atomically
+from lit_dist.runtime import outage
 
 log = logging.getLogger(__name__)
 # Lightning's own switch (an argument of Trainer.fit / validate / test / predict, so a flag of each command).

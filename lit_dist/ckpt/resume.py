@@ -17,8 +17,8 @@
 
 from dataclasses import dataclass, field
 
-from lit_dist import outage
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore
+from lit_dist.runtime import outage
 
 
 @dataclass

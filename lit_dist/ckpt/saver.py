@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lit_dist import compat
 from lit_dist.ckpt import sharded
 from lit_dist.ckpt.files import FileEntry, hash_file
 from lit_dist.ckpt.io import AtomicCheckpointIO
@@ -50,10 +49,11 @@ from lit_dist.ckpt.space import (
     too_little,
 )
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
-from lit_dist.distributed import Comm, agree_any, all_gather_object
 from lit_dist.errors import CheckpointError, StorageFull
-from lit_dist.outage import StoreUnreachable
-from lit_dist.run import RUN_ID_ENV
+from lit_dist.runtime import compat
+from lit_dist.runtime.distributed import Comm, agree_any, all_gather_object
+from lit_dist.runtime.outage import StoreUnreachable
+from lit_dist.runtime.run_dir import RUN_ID_ENV
 
 log = logging.getLogger(__name__)
 

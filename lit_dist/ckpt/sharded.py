@@ -257,8 +257,8 @@ def store_reader(location: str, checkpoint_io, opt_in: str, trust: bool = False)
     """A reader of the sharded checkpoint at ``location`` when it is on an object store, its requests retried as
     the checkpoint store's (storage options, outage deadline: lit-dist's ``AtomicCheckpointIO``'s); None for a
     local path."""
-    from lit_dist import outage
     from lit_dist.ckpt.store import CheckpointStore
+    from lit_dist.runtime import outage
 
     store = CheckpointStore(location, getattr(checkpoint_io, "storage_options", None),
                             getattr(checkpoint_io, "outage_deadline_s", outage.DEADLINE_S))

@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TypeVar
 
-from lit_dist import outage
 from lit_dist.ckpt.files import (
     FileEntry,
     filesystem,
@@ -38,6 +37,7 @@ from lit_dist.ckpt.files import (
     through_outage,
     write_bytes_atomically,
 )
+from lit_dist.runtime import outage
 
 MARKER = "COMPLETE.json"
 STATE = "state.ckpt"

@@ -25,15 +25,15 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_dist import compat
 from lit_dist.cache.attach import build_for, open_views, plan_for
 from lit_dist.cache.config import CacheConfig
-from lit_dist.control import RunControl
 from lit_dist.data.health import BadSamples
 from lit_dist.data.sources import DatasetSource
 from lit_dist.errors import ConfigError, DataError
-from lit_dist.processes import end_helpers
 from lit_dist.reading.workers import START_METHODS, QuietWorkerInit, Start, context, start_early
+from lit_dist.runtime import compat
+from lit_dist.runtime.control import RunControl
+from lit_dist.runtime.processes import end_helpers
 
 
 class BucketDataModule(LightningDataModule):
@@ -178,13 +178,13 @@ class BucketDataModule(LightningDataModule):
     def prepare_data(self) -> None:
         # Lightning runs this on local rank 0 of each node while the other ranks wait.
         if self.create_demo_if_missing and self.metadata is not None and not os.path.exists(self.metadata):
-            from lit_dist.data.demo import create_shapes_dataset, is_demo_place
+            from lit_dist.data.demo.shapes import create_shapes_dataset, is_demo_place
 
             # Only at the demo's own place: any other missing table is the data error read() raises on every rank.
             if is_demo_place(self.metadata):
                 rank_zero_info(f"lit-dist: demo dataset not found at {self.metadata}; generating it (once)")
                 create_shapes_dataset(self.metadata, num_images=self.demo_num_images, seed=self.seed)
-        from lit_dist.distributed import Comm
+        from lit_dist.runtime.distributed import Comm
 
         if Comm.current().world == 1:  # with several ranks, setup() scans: every rank reads a share of the headers
             self.index_folders()
@@ -196,7 +196,7 @@ class BucketDataModule(LightningDataModule):
         header reads are split among the ranks, rank 0 writes the table, every rank then reads it.
         """
         from lit_dist.data.discovery import load_or_scan
-        from lit_dist.distributed import Comm
+        from lit_dist.runtime.distributed import Comm
 
         comm = Comm.current()
         for source in self.sources:
@@ -208,7 +208,7 @@ class BucketDataModule(LightningDataModule):
         """Per dataset: its cleaned metadata (bad rows reported), each row's bucket and split (0/1/2).
         ``shared``: read once per node and mapped by its other ranks (``lit_dist.data.node_index``; a collective)."""
         from lit_dist.data.node_index import shared_index
-        from lit_dist.distributed import Comm
+        from lit_dist.runtime.distributed import Comm
 
         parts, self.classes = shared_index(self._read_tables, self.node_index_dir if shared else None, Comm.current())
         return parts
@@ -239,7 +239,7 @@ class BucketDataModule(LightningDataModule):
         trainer = self.trainer
         if self._splits:
             return
-        from lit_dist.distributed import Comm
+        from lit_dist.runtime.distributed import Comm
 
         if Comm.current().world > 1:  # every rank is here (prepare_data runs on one per node): split the scan
             self.index_folders()
@@ -297,8 +297,8 @@ class BucketDataModule(LightningDataModule):
     def check_roots(self, parts: list) -> None:
         """Every rank looks up a sample of each dataset's files (a collective): a wrong root stops the run here,
         with a data error naming it (and where the files are, when a folder next to it holds them)."""
-        from lit_dist.distributed import Comm
         from lit_dist.reading.presence import check_files_exist
+        from lit_dist.runtime.distributed import Comm
 
         def check() -> None:
             for i, (source, (meta, _, _)) in enumerate(zip(self.sources, parts, strict=True)):
@@ -424,7 +424,7 @@ class BucketDataModule(LightningDataModule):
     def train_dataloader(self):
         if self._filler is not None and not self._filler.connected:
             raise ConfigError("data.cache.mode ondemand publishes new entries at the run control's epoch boundaries: "
-                              "add lit_dist.control.RunControl() to the trainer's callbacks (lit-dist fit adds it)")
+                              "add lit_dist.runtime.control.RunControl() to the trainer's callbacks (lit-dist fit adds it)")
         sampler = self.train_sampler(*self.world())
         self._train_sampler = sampler
         if self._resume:

@@ -10,7 +10,6 @@ import logging
 import numpy as np
 import torch
 
-from lit_dist import outage
 from lit_dist.cache.shards import from_stored
 from lit_dist.reading.crops import centre_crop, crop_offsets
 from lit_dist.reading.decode import covering as decode_covering
@@ -23,6 +22,7 @@ from lit_dist.reading.unreadable import (
     permission_denied,
 )
 from lit_dist.reading.workers import reading
+from lit_dist.runtime import outage
 
 log = logging.getLogger(__name__)
 _MAX_IN_A_ROW = 8  # bad samples of one bucket tried in a row before the batch gives up: the data is broken

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lit_dist import outage
 from lit_dist.errors import DataError
 from lit_dist.reading.presence import mtime
 from lit_dist.reading.unreadable import MISSING, BadImage, decode_errors, permission_denied
 from lit_dist.reading.workers import context, ignore_stop_signals
+from lit_dist.runtime import outage
 
 if TYPE_CHECKING:
-    from lit_dist.distributed import Comm
+    from lit_dist.runtime.distributed import Comm
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def scan_folder(
     is identical to a one-process scan.
     """
 
-    from lit_dist.distributed import Comm
+    from lit_dist.runtime.distributed import Comm
 
     comm = comm or Comm()
     fs, base = outage.url_to_fs(root, **(storage_options or {}))
@@ -328,7 +328,7 @@ def load_or_scan(root: str, cache_path: str, storage_options: dict | None = None
     among the ranks, rank 0 writes the table, and every rank can read it when this returns.
     """
 
-    from lit_dist.distributed import Comm
+    from lit_dist.runtime.distributed import Comm
 
     comm = comm or Comm()
     cache_fs, cache_file = outage.url_to_fs(cache_path)

@@ -9,8 +9,8 @@ sums over ranks arrive at the same step on every rank, where:
   ``data.max_bad_fraction`` of the samples seen were unreadable (after ``min_samples``).
 """
 
-from lit_dist.control import Agreed, RunControl, Stop
 from lit_dist.errors import DataError
+from lit_dist.runtime.control import Agreed, RunControl, Stop
 
 
 class BadSamples:

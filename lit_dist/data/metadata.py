@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lit_dist import outage
 from lit_dist.cache.keys import identity_hash
 from lit_dist.errors import DataError
+from lit_dist.runtime import outage
 
 
 def _unreadable() -> tuple[type[BaseException], ...]:

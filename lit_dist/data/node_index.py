@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from lit_dist.distributed import Comm
 from lit_dist.errors import LitDistError
-from lit_dist.processes import alive
+from lit_dist.runtime.distributed import Comm
+from lit_dist.runtime.processes import alive
 
 PREFIX = "lit-dist-index-"
 _OWNER = "owner.json"

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lit_dist.hashing import MIX1, MIX2
+from lit_dist.reading.hashing import MIX1, MIX2
 
 ROUNDS = 4  # Luby-Rackoff: 4 rounds of a good round function give a pseudo-random permutation
 MATERIALISE_BELOW = 1 << 16

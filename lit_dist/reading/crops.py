@@ -4,7 +4,7 @@ evaluation and for a cache's encoder inputs (one fixed crop per image)."""
 
 import numpy as np
 
-from lit_dist.hashing import GOLDEN_GAMMA, MASK64, MIX1, MIX2
+from lit_dist.reading.hashing import GOLDEN_GAMMA, MASK64, MIX1, MIX2
 
 
 def crop_offsets(seed: int, epoch: int, index: int, free_x: int, free_y: int) -> tuple[int, int]:

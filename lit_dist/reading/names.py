@@ -9,7 +9,7 @@ that need one.
 
 import numpy as np
 
-from lit_dist.hashing import GOLDEN_GAMMA, MIX1, MIX2
+from lit_dist.reading.hashing import GOLDEN_GAMMA, MIX1, MIX2
 
 # Odd 64-bit constants of splitmix64 / the golden ratio: multiplication by them spreads every input bit upward.
 _M1, _M2, _M3 = np.uint64(GOLDEN_GAMMA), np.uint64(MIX1), np.uint64(MIX2)

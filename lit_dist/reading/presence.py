@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from lit_dist import outage
 from lit_dist.errors import DataError
+from lit_dist.runtime import outage
 
 SAMPLE = 32  # files looked up: with a few bad rows among them the run goes on (they are replaced and counted)
 _NEARBY = 200  # at most this many sibling folders are searched

@@ -50,19 +50,17 @@ import sys
 import threading
 from typing import Literal
 
+from lit_dist.runtime.slurm import STOP_SIGNALS
+
 Start = Literal["auto", "fork", "forkserver", "spawn"]
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
 
-# Modules every worker needs, imported once by the fork server instead of once per worker: Lightning's
-# worker seeding function, and lit_dist.cli because each worker re-runs the `lit-dist` script (its
-# __main__), which would otherwise import Lightning's CLI in every worker.
-# What "stop soon" is to lit-dist by default: Slurm's warning before a time limit or preemption, and the
-# SIGTERM of a preemption, scancel or Kubernetes.
-STOP_SIGNALS = ("SIGUSR1", "SIGTERM")
-
 _reading: str | None = None  # the file this worker reads now (``reading``): a hang dump says it
 
-_PRELOAD = ["lit_dist.orphan_guard", "torch", "lightning.fabric.utilities.seed", "lit_dist.cli", "lit_dist.data.dataset", "lit_dist.cache.build"]
+# Modules every worker needs, imported once by the fork server instead of once per worker: Lightning's
+# worker seeding function, and lit_dist.cli.app because each worker re-runs the `lit-dist` script (its
+# __main__), which would otherwise import Lightning's CLI in every worker.
+_PRELOAD = ["lit_dist.runtime.orphan_guard", "torch", "lightning.fabric.utilities.seed", "lit_dist.cli.app", "lit_dist.data.dataset", "lit_dist.cache.build"]
 
 
 def fork_is_safe(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
@@ -101,7 +99,7 @@ def _end_helpers_at_exit() -> None:
     before multiprocessing's own exit handler, registered when multiprocessing.util was imported)."""
     global _ends_at_exit
     if not _ends_at_exit:
-        from lit_dist.processes import end_helpers
+        from lit_dist.runtime.processes import end_helpers
 
         atexit.register(end_helpers)
         _ends_at_exit = True
@@ -195,7 +193,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, parent: int) -> None:
         os.close(alive_w)
         from multiprocessing import forkserver
 
-        from lit_dist.processes import die_with_parent
+        from lit_dist.runtime.processes import die_with_parent
 
         die_with_parent(parent)
         forkserver.main(listener_fd, alive_r, [])
@@ -239,7 +237,7 @@ def ignore_stop_signals(*_) -> None:
     """In a helper process (loader worker, pool worker): leave the stop signals to the training process, and
     end when its parent ends (a worker blocked in a read would never notice). Takes and ignores a worker id,
     to serve as a ``worker_init_fn`` or a pool's initializer."""
-    from lit_dist.processes import die_with_parent
+    from lit_dist.runtime.processes import die_with_parent
 
     die_with_parent()
     for name in STOP_SIGNALS:
@@ -276,7 +274,7 @@ class QuietWorkerInit:
     the worker, which would end it), then run ``inner`` (Lightning's worker seeding, say)."""
 
     def __init__(self, inner=None):
-        from lit_dist.last_resort import WORKER_DUMPS_ENV
+        from lit_dist.runtime.last_resort import WORKER_DUMPS_ENV
 
         self.inner = inner
         self.dumps = os.environ.get(WORKER_DUMPS_ENV)  # read in the rank, carried to the worker by pickle
@@ -305,7 +303,7 @@ def _dump_on_request(path: str) -> None:
     """Stacks from C at once (also while blocked), then the file being read, once a blocked system call is
     interrupted by the signal and Python runs its handler (a read stuck in the kernel's uninterruptible wait
     gives the stacks only)."""
-    from lit_dist.last_resort import DUMP_SIGNAL, dump_on_request
+    from lit_dist.runtime.last_resort import DUMP_SIGNAL, dump_on_request
 
     def say_reading(signum, frame):
         with open(path, "a") as f:
@@ -321,7 +319,7 @@ def _start_server() -> None:
     forked from the server, is stopped by them. In this process they are only deferred, never lost."""
     from multiprocessing import forkserver, resource_tracker
 
-    from lit_dist.orphan_guard import SERVER_ENV
+    from lit_dist.runtime.orphan_guard import SERVER_ENV
 
     # The tracker first: starting it, multiprocessing unblocks SIGTERM again (it blocks SIGINT and SIGTERM
     # around its own spawn), which would leave the server without that block.

@@ -16,7 +16,7 @@ ENV = {"PYTHONPATH": str(REPO)}  # the encoder is a test helper
 def write_config(path, demo_data, cache_dir) -> str:
     config = {
         "trainer": {"max_epochs": 1, "accelerator": "cpu"},
-        "model": {"net": {"class_path": "lit_dist.models.SimpleCNN", "init_args": {"num_classes": 4}}},
+        "model": {"net": {"class_path": "lit_dist.model.nets.SimpleCNN", "init_args": {"num_classes": 4}}},
         "data": {"metadata": str(demo_data), "resolution": 32, "batch_size_per_device": 8, "num_workers": 1,
                  "cache": {"dir": str(cache_dir), "mode": "read", "shard_size_mb": 1,
                            "encoder": {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"seed": 2}}}},

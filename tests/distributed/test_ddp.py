@@ -33,8 +33,8 @@ def test_each_rank_draws_its_own_noise_and_timesteps(tmp_path, demo_data):
     args = quickstart_args(tmp_path, demo_data, trainer__devices=2, trainer__strategy="ddp", trainer__max_steps=3,
                            data__batch_size_per_device=8, data__num_workers=0, trainer__limit_val_batches=0,
                            trainer__enable_progress_bar=False, checkpoint__every_n_epochs=None, run__run_id="r")
-    out = lit_dist("fit", *args, "--model.net", "lit_dist.models.TinyUNet", "--model.net.init_args.channels", "[8, 16]",
-                   "--model.net.init_args.num_classes", "4", "--model.objective", "lit_dist.objectives.FlowMatching",
+    out = lit_dist("fit", *args, "--model.net", "lit_dist.model.nets.TinyUNet", "--model.net.init_args.channels", "[8, 16]",
+                   "--model.net.init_args.num_classes", "4", "--model.objective", "lit_dist.model.objectives.FlowMatching",
                    "--model.objective.init_args.condition", "label", "--model.objective.init_args.null_label", "4",
                    "--samples.at_end", "false", "--trainer.callbacks+=tests.helpers.recorder.RandomStreams", timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]

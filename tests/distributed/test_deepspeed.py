@@ -1,4 +1,4 @@
-"""DeepSpeed on two CPU processes (lit_dist.strategies.DeepSpeedStrategy): every preset trains and validates,
+"""DeepSpeed on two CPU processes (lit_dist.strategies.deepspeed.DeepSpeedStrategy): every preset trains and validates,
 with a weight average (model.ema: whole under ZeRO-1/2, each rank's partition under ZeRO-3);
 ZeRO-2 and ZeRO-3 runs killed mid-epoch (SIGKILL) resume to the uninterrupted run's weights, bitwise; a preempted
 ZeRO-3 run saves at a step boundary and resumes to them too, and rotation never deletes the folder it resumed
@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 
+from lit_dist.ckpt.export import load_checkpoint_state, network_state
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
-from lit_dist.export import load_checkpoint_state, network_state
-from lit_dist.models import SimpleCNN
+from lit_dist.model.nets import SimpleCNN
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 
 pytestmark = pytest.mark.distributed

@@ -21,7 +21,7 @@ BIN = Path(sys.executable).parent
 @pytest.fixture(scope="module")
 def image_folder(tmp_path_factory) -> Path:
     """201 demo PNGs in four class folders, a JPEG turned by its EXIF orientation and an unreadable file."""
-    from lit_dist.data.demo import create_shapes_dataset
+    from lit_dist.data.demo.shapes import create_shapes_dataset
 
     root = tmp_path_factory.mktemp("scan") / "shapes"
     create_shapes_dataset(str(root / "metadata.parquet"), num_images=201, seed=1)

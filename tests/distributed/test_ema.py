@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from lit_dist.export import load_checkpoint_state
-from lit_dist.models import SimpleCNN
+from lit_dist.ckpt.export import load_checkpoint_state
+from lit_dist.model.nets import SimpleCNN
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 
 pytestmark = pytest.mark.distributed

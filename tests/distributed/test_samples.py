@@ -8,17 +8,17 @@ import pytest
 import torch
 from PIL import Image
 
+from lit_dist.ckpt.export import load_checkpoint_state
 from lit_dist.errors import ExitCode
-from lit_dist.export import load_checkpoint_state
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 
 pytestmark = pytest.mark.distributed
 
 STOP, END = 4, 6
 # A TinyUNet conditioned on the quickstart's labels, by flow matching on its 32-pixel images.
-LABELS = ["--model.net", "lit_dist.models.TinyUNet", "--model.net.init_args.channels", "[8, 16]",
+LABELS = ["--model.net", "lit_dist.model.nets.TinyUNet", "--model.net.init_args.channels", "[8, 16]",
           "--model.net.init_args.num_classes", "4", "--model.net.init_args.embed_dim", "16",
-          "--model.objective", "lit_dist.objectives.FlowMatching", "--model.objective.init_args.condition", "label",
+          "--model.objective", "lit_dist.model.objectives.FlowMatching", "--model.objective.init_args.condition", "label",
           "--model.objective.init_args.null_label", "4"]
 # 3 prompts x 2 images = 6, in groups of 4: group 0 on rank 0, group 1 on rank 1 of 2.
 SAMPLES = ["--samples.num_prompts", "3", "--samples.per_prompt", "2", "--samples.steps", "3", "--samples.batch_size", "4",
@@ -72,7 +72,7 @@ def test_the_grid_is_the_same_after_a_resume_and_the_run_the_same_as_without_sam
 
 @pytest.mark.parametrize("how", [["--trainer.devices", "1"], ["--trainer.devices", "2", "--trainer.strategy", "ddp"],
                                  ["--trainer.devices", "2", "--config", str(CONFIGS / "fsdp2.yaml"),
-                                  "--trainer.strategy.init_args.block_classes", "[lit_dist.models.denoiser.Block]"]],
+                                  "--trainer.strategy.init_args.block_classes", "[lit_dist.model.nets.denoiser.Block]"]],
                          ids=["1-process", "ddp-2", "fsdp2-2"])
 def test_a_checkpoints_grid_is_the_same_at_any_world_size(how, tmp_path, demo_data, trained_labels):
     """`lit-dist validate` of one checkpoint (samples at every validation) on 1 or 2 processes, DDP or FSDP2."""
@@ -109,9 +109,9 @@ def test_prompts_rank_0_cannot_encode_end_every_rank_with_exit_2(tmp_path, demo_
 def test_prompts_the_caption_encoder_cannot_read_end_every_rank_with_one_line(tmp_path, demo_data):
     # Rank 0 alone encodes the prompts; an error other than a ConfigError there left rank 1 in the broadcast until the
     # process group's timeout.
-    net = {"class_path": "lit_dist.models.TinyUNet", "init_args": {"channels": [8, 16], "context_dim": 8, "embed_dim": 16,
+    net = {"class_path": "lit_dist.model.nets.TinyUNet", "init_args": {"channels": [8, 16], "context_dim": 8, "embed_dim": 16,
                                                                  "num_classes": None}}  # not the quickstart's 4
-    captions = ["--model.net", json.dumps(net), "--model.objective", "lit_dist.objectives.FlowMatching", "--data.cache.dir", str(tmp_path / "cache"),
+    captions = ["--model.net", json.dumps(net), "--model.objective", "lit_dist.model.objectives.FlowMatching", "--data.cache.dir", str(tmp_path / "cache"),
                 "--data.cache.caption_encoder", json.dumps({"class_path": "tests.helpers.encoders.ByteCaptionEncoder",
                                                             "init_args": {"dim": 8, "unreadable": "boom"}}),
                 "--samples.prompts", '["a boom"]',

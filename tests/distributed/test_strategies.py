@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lit_dist.ckpt.io import TRUST
-from lit_dist.ckpt.pickles import vet
 from lit_dist.ckpt.store import MARKER, STATE
-from lit_dist.models import SimpleCNN
+from lit_dist.ckpt.vetting import vet
+from lit_dist.model.nets import SimpleCNN
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 from tests.helpers.planted import Planted
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lit_dist.models import SimpleCNN
+from lit_dist.model.nets import SimpleCNN
 from tests.conftest import CONFIGS, lit_dist
 
 PRESETS = ["ddp.yaml", "fsdp.yaml", "fsdp2.yaml", "deepspeed_zero1.yaml", "deepspeed_zero2.yaml",
@@ -29,7 +29,7 @@ def test_samples_are_drawn_where_the_denoiser_calls_gather_parameters(preset, tm
 
     from tests.distributed.test_samples import LABELS, SAMPLES
 
-    blocks = ["--trainer.strategy.init_args.block_classes", "[lit_dist.models.denoiser.Block]"] \
+    blocks = ["--trainer.strategy.init_args.block_classes", "[lit_dist.model.nets.denoiser.Block]"] \
         if preset == "fsdp.yaml" else []
     out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / preset), *LABELS,
                    *SAMPLES, *blocks, "--data.metadata", str(demo_data),

@@ -11,11 +11,11 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_dist.callbacks.checkpoint import Checkpointing
-from lit_dist.cli import _leave_process_group
+from lit_dist.cli.app import _leave_process_group
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import LitDistError
-from lit_dist.models import SimpleCNN
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import SimpleCNN
 
 if __name__ == "__main__":
     root, metadata = sys.argv[1], sys.argv[2]

@@ -19,9 +19,9 @@ import time
 
 import lit_dist.callbacks.checkpoint  # noqa: F401 - imported once here, not in every child
 import lit_dist.data.datamodule  # noqa: F401
-import lit_dist.module  # noqa: F401
+import lit_dist.model.module  # noqa: F401
 from lit_dist.ckpt.store import LATEST, PARTIAL, CheckpointStore
-from lit_dist.cli import main as lit_dist_main
+from lit_dist.cli.app import main as lit_dist_main
 
 ARGS = ["fit", "--config", "configs/quickstart.yaml", "--model.net.class_path", "tests.helpers.nets.WideHeadCNN",
         "--data.batch_size_per_device", "8", "--data.num_workers", "0", "--trainer.max_epochs", "1000",

@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from lit_dist.models import SimpleCNN
+from lit_dist.model.nets import SimpleCNN
 
 
 class DropoutCNN(nn.Module):

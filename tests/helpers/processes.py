@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from lit_dist.processes import tagged
+from lit_dist.runtime.processes import tagged
 
 
 def session_processes(sid: int) -> dict[int, str]:

@@ -419,7 +419,7 @@ class EMAPlacement(Callback):
         full = sum(p.numel() for p in pl_module.net.parameters() if p.requires_grad)
         broadcast = getattr(trainer.strategy.model, "modules_buffers", [])
         ours = {b.data_ptr() for b in buffers}
-        from lit_dist.ema import _local
+        from lit_dist.model.ema import _local
 
         write_rank_json(trainer, "ema", {"local": local, "full": full,
                                          "broadcast": any(b.data_ptr() in ours for b in broadcast),

@@ -5,9 +5,9 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from lit_dist.callbacks.checkpoint import Checkpointing
-from lit_dist.control import RunControl
 from lit_dist.data.datamodule import BucketDataModule
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
+from lit_dist.runtime.control import RunControl
 from tests.helpers.nets import DropoutCNN
 from tests.helpers.recorder import StopAfterEpoch, StopAtStep
 

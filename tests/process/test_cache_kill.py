@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 def write_config(path, demo_data, cache_dir) -> str:
     config = {"trainer": {"accelerator": "cpu"},
-              "model": {"net": {"class_path": "lit_dist.models.SimpleCNN", "init_args": {"num_classes": 4}}},
+              "model": {"net": {"class_path": "lit_dist.model.nets.SimpleCNN", "init_args": {"num_classes": 4}}},
               "data": {"metadata": str(demo_data), "resolution": 192, "batch_size_per_device": 8, "num_workers": 1,
                        "cache": {"dir": str(cache_dir), "shard_size_mb": 1}}}
     path.write_text(yaml.safe_dump(config))
@@ -59,7 +59,7 @@ def problems(cache_dir) -> list[str]:
 
 
 def test_killed_builds_never_leave_a_trusted_torn_shard_and_the_rebuild_finishes(tmp_path):
-    from lit_dist.data.demo import create_shapes_dataset
+    from lit_dist.data.demo.shapes import create_shapes_dataset
 
     kills = int(os.environ.get("LIT_DIST_KILLS", 4))
     demo_data = tmp_path / "shapes" / "metadata.parquet"
@@ -112,7 +112,7 @@ def test_killed_builds_never_leave_a_trusted_torn_shard_and_the_rebuild_finishes
 
 
 def test_sigusr1_stops_a_build_between_batches_keeps_its_shards_and_exits_preempted(tmp_path):
-    from lit_dist.data.demo import create_shapes_dataset
+    from lit_dist.data.demo.shapes import create_shapes_dataset
 
     demo_data = tmp_path / "shapes" / "metadata.parquet"
     create_shapes_dataset(str(demo_data), num_images=2000, seed=4)

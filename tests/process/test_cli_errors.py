@@ -78,8 +78,8 @@ def test_a_generative_run_without_diffusers_is_refused_before_its_first_step(obj
     # were first imported at the first validation, after the training up to it.
     args = quickstart_args(tmp_path, demo_data, data__num_workers=0, trainer__max_steps=4,
                            trainer__enable_progress_bar=False)
-    out = lit_dist("fit", *args, "--model.net", "lit_dist.models.TinyUNet", "--model.net.channels", "[8, 16]",
-                   "--model.objective", f"lit_dist.objectives.{objective}", "--model.objective.condition", "none",
+    out = lit_dist("fit", *args, "--model.net", "lit_dist.model.nets.TinyUNet", "--model.net.channels", "[8, 16]",
+                   "--model.objective", f"lit_dist.model.objectives.{objective}", "--model.objective.condition", "none",
                    env={"PYTHONPATH": str(NO_DIFFUSERS)})
     errors = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
     assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]

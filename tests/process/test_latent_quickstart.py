@@ -44,9 +44,9 @@ def test_a_denoiser_of_latents_samples_images_through_the_vaes_decoder(tmp_path,
 
     from lit_dist.cache.encoders import VAEDecoder, VAEEncoder
 
-    labels = ["--model.net", "lit_dist.models.TinyUNet", "--model.net.init_args.in_channels", "4",
+    labels = ["--model.net", "lit_dist.model.nets.TinyUNet", "--model.net.init_args.in_channels", "4",
               "--model.net.init_args.channels", "[16, 32]", "--model.net.init_args.num_classes", "4",
-              "--model.objective", "lit_dist.objectives.FlowMatching", "--model.objective.init_args.condition",
+              "--model.objective", "lit_dist.model.objectives.FlowMatching", "--model.objective.init_args.condition",
               "label", "--model.objective.init_args.null_label", "4", "--model.lr_scheduler", "null"]
     out = lit_dist("fit", *LATENT, *labels, "--data.metadata", str(demo_data), "--data.cache.dir",
                    str(tmp_path / "cache"), "--run.root_dir", str(tmp_path), "--run.run_id", "r", "--trainer.max_steps",

@@ -22,10 +22,10 @@ def test_quickstart_trains_to_90_percent_on_cpu(tmp_path):
     assert len(log.encode()) <= 5000 * steps / 1000, f"{len(log.encode())} bytes of log for {steps} steps"
     assert log.count("\r") <= steps / 100, f"{log.count(chr(13))} carriage returns for {steps} steps"
 
-    # The quickstart's classifier is the shapes judge of generated samples (lit_dist.adherence): on the real
+    # The quickstart's classifier is the shapes judge of generated samples (lit_dist.model.judge): on the real
     # validation images it must accept their own captions and refuse another image's.
-    from lit_dist.adherence import ShapesJudge
     from lit_dist.data.datamodule import BucketDataModule
+    from lit_dist.model.judge import ShapesJudge
 
     run_dir = tmp_path / re.search(r"run directory: (\S+)", out.stdout).group(1)
     judge = ShapesJudge(str(run_dir / "model.pt"))

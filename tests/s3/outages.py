@@ -6,13 +6,13 @@ run up to 15 s more (lit-dist's waits double: a store back at 15 s is found at t
 import logging
 from contextlib import contextmanager
 
-from lit_dist.outage import FIRST_WAIT_S
+from lit_dist.runtime.outage import FIRST_WAIT_S
 
 # One attempt per request (botocore's "max_attempts": 1 is one *retry*: a second attempt after a random pause of up
 # to a second), short timeouts: botocore's own retries would only lengthen every wait; what is tested is lit-dist's
 # wait, which comes on top of whatever the client does.
 QUICK = {"config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5}}
-# What lit-dist's line says as one request starts its second wait (lit_dist/outage.py): two attempts have failed;
+# What lit-dist's line says as one request starts its second wait (lit_dist/runtime/outage.py): two attempts have failed;
 # a store restored on this line answers the third attempt, 2 s later.
 SECOND_WAIT = f"; waiting {2 * FIRST_WAIT_S:.0f} s ("
 WAITED_TWICE_S = 3 * FIRST_WAIT_S  # what that request has slept before its third attempt
@@ -21,7 +21,7 @@ WAITED_TWICE_S = 3 * FIRST_WAIT_S  # what that request has slept before its thir
 @contextmanager
 def restored_on(proxy, text: str = SECOND_WAIT):
     """Restores ``proxy`` (cut by the caller) once lit-dist logs, in this process, a line holding ``text``."""
-    logger = logging.getLogger("lit_dist.outage")
+    logger = logging.getLogger("lit_dist.runtime.outage")
 
     class Restore(logging.Handler):
         done = False

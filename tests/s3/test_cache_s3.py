@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lit_dist.cache.config import CacheConfig
-from lit_dist.commands.cache import check_cache
+from lit_dist.cli.commands.cache import check_cache
 from lit_dist.data.datamodule import BucketDataModule
 
 pytestmark = pytest.mark.s3

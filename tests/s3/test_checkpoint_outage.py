@@ -20,7 +20,7 @@ from lit_dist.ckpt.files import FileEntry, filesystem, write_atomically
 from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
-from lit_dist.outage import FIRST_WAIT_S, StoreUnreachable
+from lit_dist.runtime.outage import FIRST_WAIT_S, StoreUnreachable
 from tests.conftest import CONFIGS, REPO
 from tests.helpers.processes import Output, finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy

@@ -112,7 +112,7 @@ def test_one_process_with_loader_workers_is_gone_within_seconds_of_its_outage_li
 def test_a_cache_on_s3_waits_out_an_outage_and_then_says_retry_later(s3, demo_data):
     from lit_dist.cache.config import CacheConfig
     from lit_dist.data.datamodule import BucketDataModule
-    from lit_dist.outage import StoreUnreachable
+    from lit_dist.runtime.outage import StoreUnreachable
 
     encoder = {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"seed": 1}}
     url = f"s3://{s3.bucket}/cache"

@@ -7,7 +7,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from lit_dist import outage
+from lit_dist.runtime import outage
 from tests.helpers.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.s3

@@ -95,8 +95,8 @@ def test_an_object_store_that_stops_answering_is_not_a_bad_image(tmp_path, monke
     import s3fs
 
     from lit_dist.data.dataset import BucketImageDataset
-    from lit_dist.outage import StoreUnreachable
     from lit_dist.reading.unreadable import BadSample
+    from lit_dist.runtime.outage import StoreUnreachable
 
     proc, url = start_server()
     try:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import common
-from lit_dist.processes import alive
+from lit_dist.runtime.processes import alive
 
 
 @pytest.mark.process

@@ -14,7 +14,7 @@ import torch
 from lit_dist.cache.config import CacheConfig
 from lit_dist.cache.shards import CorruptEntry, ShardWriter, decode, read_index
 from lit_dist.cache.store import CacheStore
-from lit_dist.commands.cache import check_cache
+from lit_dist.cli.commands.cache import check_cache
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, DataError
 from tests.helpers.cache import data_module
@@ -25,7 +25,7 @@ ENCODER = {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"ch
 @pytest.fixture
 def data(tmp_path):
     """120 demo images whose table has bytes and mtime columns (as scans write them); returns the table path."""
-    from lit_dist.data.demo import create_shapes_dataset
+    from lit_dist.data.demo.shapes import create_shapes_dataset
 
     path = tmp_path / "shapes" / "metadata.parquet"
     create_shapes_dataset(str(path), num_images=120, seed=1)

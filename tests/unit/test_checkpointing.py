@@ -12,11 +12,11 @@ from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt import resume
 from lit_dist.ckpt.files import filesystem, write_atomically
 from lit_dist.ckpt.store import LATEST, MARKER, STATE, CheckpointStore, checkpoint_name, share_of
-from lit_dist.control import RunControl
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import CheckpointError, ConfigError, DataError
-from lit_dist.models import SimpleCNN
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import SimpleCNN
+from lit_dist.runtime.control import RunControl
 from tests.conftest import lit_dist, quickstart_args
 
 
@@ -157,7 +157,7 @@ def test_a_first_save_cut_off_before_its_marker_means_starting_over(tmp_path):
 
 
 def test_export_and_resume_choose_the_same_checkpoint_past_unfinished_saves(tmp_path):
-    from lit_dist.export import lit_dist_checkpoint
+    from lit_dist.ckpt.export import lit_dist_checkpoint
 
     callback = Checkpointing(dirpath=str(tmp_path))
     callback._store = CheckpointStore(str(tmp_path))

@@ -8,11 +8,11 @@ import pytest
 import torch
 import yaml
 
-from lit_dist.cli import LitDistCLI
+from lit_dist.cli.app import LitDistCLI
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, ExitCode
-from lit_dist.module import LitModel
-from lit_dist.run import RunConfig, check_writable, resolve_run_id
+from lit_dist.model.module import LitModel
+from lit_dist.runtime.run_dir import RunConfig, check_writable, resolve_run_id
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 from tests.helpers.small_fs import tmpfs
 
@@ -41,7 +41,7 @@ def test_deepspeed_json_that_disagrees_with_the_run_is_refused(tmp_path):
     import json
     from types import SimpleNamespace
 
-    from lit_dist.strategies import check_deepspeed
+    from lit_dist.strategies.checks import check_deepspeed
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 100, "gradient_accumulation_steps": 4,
@@ -64,14 +64,14 @@ def test_deepspeed_json_that_disagrees_with_the_run_is_refused(tmp_path):
 def test_lightning_s_own_deepspeed_strategy_on_cpu_is_refused_naming_lit_dist_s():
     from types import SimpleNamespace
 
-    from lit_dist.strategies import check_strategy
+    from lit_dist.strategies.checks import check_strategy
 
     def trainer(path):
         return SimpleNamespace(strategy=SimpleNamespace(class_path=path), accelerator="cpu")
 
     problems = check_strategy(trainer("lightning.pytorch.strategies.DeepSpeedStrategy"), cuda_available=False)
-    assert len(problems) == 1 and "Use lit_dist.strategies.DeepSpeedStrategy" in problems[0], problems
-    assert check_strategy(trainer("lit_dist.strategies.DeepSpeedStrategy"), cuda_available=False) == []
+    assert len(problems) == 1 and "Use lit_dist.strategies.deepspeed.DeepSpeedStrategy" in problems[0], problems
+    assert check_strategy(trainer("lit_dist.strategies.deepspeed.DeepSpeedStrategy"), cuda_available=False) == []
 
 
 @pytest.mark.process
@@ -83,7 +83,7 @@ def test_several_configs_and_dotted_overrides_apply_in_order(tmp_path):
     config = yaml.safe_load(out.stdout)
     assert config["model"]["init_args"]["warmup_steps"] == 7
     assert config["data"]["init_args"]["batch_size_per_device"] == 6
-    assert config["model"]["init_args"]["net"]["class_path"] == "lit_dist.models.SimpleCNN"
+    assert config["model"]["init_args"]["net"]["class_path"] == "lit_dist.model.nets.SimpleCNN"
 
 
 @pytest.mark.process
@@ -92,7 +92,7 @@ def test_top_level_help_lists_every_command_with_its_line(flag):
     out = lit_dist(*([flag] if flag else []))
     assert out.returncode == (0 if flag else ExitCode.CONFIG_ERROR), out.stderr[-2000:]
     text = out.stdout if flag else out.stderr
-    from lit_dist.commands import NAMES
+    from lit_dist.cli.commands import NAMES
 
     for name in NAMES:
         line = re.search(rf"^  {name}\s+(\S.*)$", text, re.M)
@@ -105,9 +105,9 @@ def test_help_lists_every_knob_with_a_description():
     out = lit_dist("fit", "--help")
     assert out.returncode == 0, out.stderr
     text = out.stdout
+    from lit_dist.callbacks.preflight import Preflight
     from lit_dist.callbacks.stragglers import StragglerDetector
     from lit_dist.callbacks.watchdog import HangWatchdog
-    from lit_dist.preflight import Preflight
 
     for prefix, cls in (("model", LitModel), ("data", BucketDataModule), ("run", RunConfig), ("watchdog", HangWatchdog),
                         ("straggler", StragglerDetector), ("preflight", Preflight)):

@@ -1,13 +1,13 @@
-"""One test per Lightning internal lit-dist touches (lit_dist/compat.py), against the installed Lightning:
+"""One test per Lightning internal lit-dist touches (lit_dist/runtime/compat.py), against the installed Lightning:
 an upgrade that changes one fails here, by name."""
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from lit_dist import compat
-from lit_dist.models import SimpleCNN
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import SimpleCNN
+from lit_dist.runtime import compat
 
 BATCHES = 6
 
@@ -78,7 +78,7 @@ def test_shifting_the_batch_count_ends_the_epoch_that_much_earlier():
 def test_which_strategies_let_rank_zero_write_the_whole_checkpoint():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    from lit_dist.strategies import FSDP2Strategy
+    from lit_dist.strategies.fsdp import FSDP2Strategy
 
     assert compat.rank_zero_writes(DDPStrategy())
     assert compat.rank_zero_writes(FSDPStrategy(state_dict_type="full"))
@@ -93,7 +93,7 @@ def test_which_strategies_let_rank_zero_write_the_whole_checkpoint():
 
 
 def test_data_parallel_sizes_of_a_model_parallel_strategy():
-    from lit_dist.strategies import FSDP2Strategy
+    from lit_dist.strategies.fsdp import FSDP2Strategy
 
     strategy = FSDP2Strategy()
     compat.set_data_parallel(strategy, 8)

@@ -11,7 +11,7 @@ import pytest
 # Two writers as two ranks: each prints many long lines into one pipe, both starting at the same instant.
 WRITER = """
 import sys, time
-from lit_dist.console import whole_lines
+from lit_dist.watch.console import whole_lines
 whole_lines()
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
 for i in range(400):

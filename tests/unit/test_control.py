@@ -6,10 +6,10 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lit_dist.callbacks.circuit_breaker import GPUFault
-from lit_dist.control import Event, RunControl, Stop
 from lit_dist.errors import ConfigError, DataError, Preempted
-from lit_dist.models import SimpleCNN
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import SimpleCNN
+from lit_dist.runtime.control import Event, RunControl, Stop
 
 
 class Data(torch.utils.data.Dataset):
@@ -122,7 +122,7 @@ def test_events_reach_every_subscriber_and_a_failing_one_does_not_stop_the_run()
 def test_bad_settings_are_named():
     with pytest.raises(ConfigError, match="control.sync_every_n_steps: 0 must be at least 1"):
         RunControl(sync_every_n_steps=0)
-    with pytest.raises(ConfigError, match="Preemption needs lit_dist.control.RunControl"):
+    with pytest.raises(ConfigError, match="Preemption needs lit_dist.runtime.control.RunControl"):
         from lit_dist.callbacks.preemption import Preemption
 
         seed_everything(0)
@@ -132,8 +132,8 @@ def test_bad_settings_are_named():
 
 
 def test_a_full_disk_beats_a_preemption_and_every_stop_has_its_place():
-    from lit_dist.control import STOP_PRIORITY
     from lit_dist.errors import ExitCode, StorageFull
+    from lit_dist.runtime.control import STOP_PRIORITY
 
     journal = []
     with pytest.raises(StorageFull):  # a preempted run's save and requeue would meet the same full disk

@@ -49,7 +49,7 @@ def built(tmp_path_factory, demo_data):
     """A pixel cache of the demo data built by `lit-dist cache`, a table written by `lit-dist index`, and the
     cache of a build cut off after it listed some shards in its pending list (not yet published)."""
     from lit_dist.cache.build import _run, _work, prepare
-    from lit_dist.distributed import Comm
+    from lit_dist.runtime.distributed import Comm
     from tests.helpers.cache import data_module
 
     root = tmp_path_factory.mktemp("built")

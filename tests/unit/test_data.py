@@ -89,7 +89,7 @@ def test_a_corrupt_image_is_replaced_by_another_of_its_bucket(demo_data, tmp_pat
 
 
 def test_demo_dataset_is_generated_once_with_a_table_that_reads_back(tmp_path, monkeypatch):
-    from lit_dist.data.demo import DEMO_METADATA, demo_table
+    from lit_dist.data.demo.shapes import DEMO_METADATA, demo_table
 
     monkeypatch.chdir(tmp_path)
     path = tmp_path / DEMO_METADATA

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from lit_dist.data.discovery import load_or_scan, merge_shares, scan_folder
-from lit_dist.distributed import Comm
+from lit_dist.runtime.distributed import Comm
 from tests.conftest import lit_dist
 
 

@@ -251,8 +251,8 @@ class Schema:
     def __init__(self):
         from jsonargparse import ActionSubCommands, auto_parser, capture_parser
 
-        from lit_dist import cli
-        from lit_dist.commands import COMMANDS, LIGHTNING
+        from lit_dist.cli import app as cli
+        from lit_dist.cli.commands import COMMANDS, LIGHTNING
 
         with mock.patch.object(sys, "argv", ["lit-dist"]):  # LightningCLI warns about pytest's own argv
             self.root = capture_parser(lambda: cli.LitDistCLI(args=[]))
@@ -352,7 +352,7 @@ class Schema:
 
     def command_problems(self, argv: list[str]) -> list[str]:
         """What is wrong with `lit-dist ARGV`: its command, and each option that command does not take."""
-        from lit_dist.commands import NAMES
+        from lit_dist.cli.commands import NAMES
 
         if argv[:1] and argv[0].startswith("-"):  # options of LightningCLI's own parser, then its command
             at = next((i for i, a in enumerate(argv) if a in self.lightning), len(argv))
@@ -375,7 +375,7 @@ class Schema:
             name, _, value = arg.partition("=")
             value = value or (args[i + 1] if i + 1 < len(args) else "")
             if re.fullmatch(rf"{KEY}", value) and value.rsplit(".", 1)[1][:1].isupper():
-                class_paths[name[2:]] = value  # `--model.net lit_dist.models.SimpleCNN`: the class of what follows
+                class_paths[name[2:]] = value  # `--model.net lit_dist.model.nets.SimpleCNN`: the class of what follows
             if name in options:
                 continue
             if parser is not None and name.startswith("--") and "." in name:
@@ -723,7 +723,7 @@ def test_an_unknown_key_is_reported_and_real_ones_pass(schema, tmp_path):
         "Set `data.cache.mode: build`, `checkpoint.async_save`, `trainer.max_steps`, `watchdog.timeout_s`,\n"
         "`--model.optimizer.init_args.lr 0.1` and `data.cache.mood`; `run.hung` is an event, `model.pt` a file,\n"
         "`data.dataset` code, `torch.save` no key, `data.nowhere.thing` neither.\n\n"
-        "```yaml\nmodel:\n  net:\n    class_path: lit_dist.models.SimpleCNN\n    init_args: {num_classes: 10}\n"
+        "```yaml\nmodel:\n  net:\n    class_path: lit_dist.model.nets.SimpleCNN\n    init_args: {num_classes: 10}\n"
         "data:\n  batch_size_per_device: 8\n  cache: {mode: build}\ncheckpoint:\n  keep_last: 3\n```\n\n"
         "```yaml\nservices:\n  lit: {image: x, keep_last: 3}\n```\n")})
     assert key_problems(files, schema, tmp_path) == [
@@ -742,8 +742,8 @@ def test_keys_beneath_a_class_resolve_through_its_init_args(schema):
     assert schema.key_problem("model.optimizer.init_args.lr") is None  # the default optimizer, AdamW
     assert schema.key_problem("model.optimizer.lr") is None
     assert schema.key_problem("model.optimizer.init_args.lrr") is not None
-    assert schema.key_problem("model.net.init_args.num_classes", {"model.net": "lit_dist.models.SimpleCNN"}) is None
-    assert schema.key_problem("model.net.init_args.depth", {"model.net": "lit_dist.models.SimpleCNN"}) is not None
+    assert schema.key_problem("model.net.init_args.num_classes", {"model.net": "lit_dist.model.nets.SimpleCNN"}) is None
+    assert schema.key_problem("model.net.init_args.depth", {"model.net": "lit_dist.model.nets.SimpleCNN"}) is not None
     assert schema.key_problem("trainer.max_steps.value") is not None
 
 
@@ -776,11 +776,11 @@ def test_an_unknown_command_or_flag_is_reported(schema, tmp_path):
 def test_exit_code_table_missing_or_extra_rows_are_reported(tmp_path):
     files = _write(tmp_path, {"docs/exit-codes.md": "# Exit codes\n\n| code | meaning |\n|---|---|\n| 0 | ok |\n"
                                                     "| `2` | config |\n| 5 | never |\n| 2 | again |\n"})
-    codes = {0: "ExitCode.OK", 2: "ExitCode.CONFIG_ERROR", 130: "lit_dist/cli.py:9"}
+    codes = {0: "ExitCode.OK", 2: "ExitCode.CONFIG_ERROR", 130: "lit_dist/cli/app.py:9"}
     assert exit_code_problems(files, codes, tmp_path) == [
         "docs/exit-codes.md:7: exit code 5 is documented but lit-dist never exits with it",
         "docs/exit-codes.md:8: exit code 2 has a second row (first: line 6)",
-        "docs/exit-codes.md:3: exit code 130 (lit_dist/cli.py:9) has no row in this table",
+        "docs/exit-codes.md:3: exit code 130 (lit_dist/cli/app.py:9) has no row in this table",
     ]
     readme = _write(tmp_path, {"README.md": "# No table here\n"})
     assert exit_code_problems(readme, codes, tmp_path) == [
@@ -789,5 +789,5 @@ def test_exit_code_table_missing_or_extra_rows_are_reported(tmp_path):
 
 def test_exit_codes_include_the_ones_the_code_returns():
     codes = exit_codes()
-    assert codes[130].startswith("lit_dist/cli.py:")  # Ctrl-C
+    assert codes[130].startswith("lit_dist/cli/app.py:")  # Ctrl-C
     assert codes[0] == "ExitCode.OK"

@@ -9,11 +9,11 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lit_dist.ema import EMA
+from lit_dist.ckpt.export import network_state
 from lit_dist.errors import ConfigError, DataError
-from lit_dist.export import network_state
-from lit_dist.models import SimpleCNN
-from lit_dist.module import LitModel
+from lit_dist.model.ema import EMA
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import SimpleCNN
 
 
 def test_the_schedule_matches_diffusers_ema_model():

@@ -8,9 +8,9 @@ import signal
 import pytest
 import torch
 
-from lit_dist import goodput
 from lit_dist.ckpt.store import CheckpointStore
 from lit_dist.errors import ExitCode
+from lit_dist.watch import goodput
 from tests.conftest import lit_dist, quickstart_args
 from tests.helpers.small_fs import tmpfs
 

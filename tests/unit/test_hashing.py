@@ -1,4 +1,4 @@
-"""The hashes built on splitmix64's constants (lit_dist/hashing.py) give exactly the values they always gave.
+"""The hashes built on splitmix64's constants (lit_dist/reading/hashing.py) give exactly the values they always gave.
 
 Cache keys are stored in caches on disk, and crops and shuffles must repeat across runs and resumes: any
 change to these numbers turns every existing cache stale and changes the data a resumed run sees.

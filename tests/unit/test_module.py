@@ -6,8 +6,8 @@ from lightning.pytorch import Trainer
 
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError
-from lit_dist.models import SimpleCNN
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import SimpleCNN
 
 
 def test_simple_cnn_takes_any_size_and_aspect():
@@ -121,7 +121,7 @@ def test_compile_keeps_parameter_names_so_checkpoints_stay_portable():
 def test_exported_state_is_the_network_alone_whatever_wrapped_it():
     import torch
 
-    from lit_dist.export import strip_prefix, to_full_precision
+    from lit_dist.ckpt.export import strip_prefix, to_full_precision
 
     w = torch.ones(2, dtype=torch.bfloat16)
     # LitModel's own keys, an old Lightning DeepSpeed wrapper's, and a network saved bare.
@@ -135,8 +135,8 @@ def test_float32_matmul_precision_applies_on_gpu_machines_only(monkeypatch):
     import torch
 
     from lit_dist.errors import ConfigError
-    from lit_dist.models import SimpleCNN
-    from lit_dist.module import LitModel
+    from lit_dist.model.module import LitModel
+    from lit_dist.model.nets import SimpleCNN
 
     before = torch.get_float32_matmul_precision()
     try:

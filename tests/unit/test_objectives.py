@@ -1,4 +1,4 @@
-"""The objectives of lit_dist.objectives, checked against their definitions and diffusers' own schedule: what a
+"""The objectives of lit_dist.model.objectives, checked against their definitions and diffusers' own schedule: what a
 denoiser is given, what it is asked to predict, how timesteps are drawn and weighted, condition dropout, and a
 validation loss that does not depend on how samples fall into batches."""
 
@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
-from lit_dist.models import TinyUNet
-from lit_dist.module import LitModel
-from lit_dist.objectives import Classification, Diffusion, FlowMatching
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import TinyUNet
+from lit_dist.model.objectives import Classification, Diffusion, FlowMatching
 
 pytestmark = pytest.mark.unit
 
@@ -242,7 +242,7 @@ def test_a_diffusers_transformer_denoiser_trains_and_samples_through_the_signatu
     the loss falls on a fixed batch and the sampler draws from it with guidance against the null label."""
     from diffusers import DiTTransformer2DModel
 
-    from lit_dist.sampling import initial_noise, sample
+    from lit_dist.model.sampling import initial_noise, sample
 
     torch.manual_seed(0)
     # num_embeds_ada_norm: its label table (num classes + 1 null); out_channels: no learned sigma, x_t's shape.

@@ -6,8 +6,8 @@ import time
 import pytest
 from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
 
-from lit_dist import outage
 from lit_dist.errors import ExitCode
+from lit_dist.runtime import outage
 
 
 def chained(outer: BaseException, cause: BaseException) -> BaseException:

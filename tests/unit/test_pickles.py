@@ -40,7 +40,7 @@ def test_a_file_that_is_no_checkpoint_says_why(tmp_path, content, reason):
 def test_a_sharded_checkpoint_is_vetted_before_torch_unpickles_its_entries_in_full(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from lit_dist.ckpt.pickles import vet
+    from lit_dist.ckpt.vetting import vet
 
     own, sent, marker = tmp_path / "own", tmp_path / "sent", tmp_path / "marker"
     # What an optimizer's state holds beside tensors, as torch.distributed.checkpoint stores it (pickled entries).

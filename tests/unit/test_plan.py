@@ -3,7 +3,7 @@ from types import SimpleNamespace
 import pytest
 
 from lit_dist.errors import ExitCode
-from lit_dist.launch import world_size
+from lit_dist.runtime.launch import world_size
 from tests.conftest import lit_dist, quickstart_args
 
 
@@ -49,7 +49,7 @@ def test_world_size_follows_the_config_then_the_launcher_or_allocation():
 
 @pytest.mark.process
 def test_the_demos_verdict_does_not_depend_on_whether_it_was_generated_yet(tmp_path):
-    from lit_dist.data.demo import DEMO_METADATA, create_shapes_dataset
+    from lit_dist.data.demo.shapes import DEMO_METADATA, create_shapes_dataset
 
     # A fresh clone: 3,000 demo images cannot fill one global batch of 16,384.
     args = ("plan", *quickstart_args(trainer__num_nodes=64, trainer__devices=8))

@@ -14,10 +14,10 @@ from lightning.pytorch import Trainer, seed_everything
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.callbacks.preemption import Preemption
 from lit_dist.ckpt.store import CheckpointStore, checkpoint_name
-from lit_dist.control import RunControl
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, Preempted
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
+from lit_dist.runtime.control import RunControl
 from tests.conftest import REPO, quickstart_args
 from tests.helpers.nets import DropoutCNN
 from tests.helpers.recorder import SignalAtStep

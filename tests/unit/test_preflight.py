@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from lit_dist.callbacks.preflight import Preflight, RankFigures, outliers
 from lit_dist.errors import ConfigError
-from lit_dist.preflight import Preflight, RankFigures, outliers
 from tests.conftest import lit_dist, quickstart_args
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from lit_dist.errors import ExitCode
-from lit_dist.processes import how_it_ended, run_code, worker_death
+from lit_dist.runtime.processes import how_it_ended, run_code, worker_death
 
 
 def test_how_a_process_ended_names_its_signal_and_meaning_or_its_code():
@@ -54,7 +54,7 @@ def test_a_dead_workers_status_is_read_from_its_process_object_when_the_error_ha
 @pytest.mark.process
 def test_a_process_that_asked_to_die_with_its_parent_does(tmp_path):
     # parent -> child; the child asks, then the parent exits: the child must be gone, not orphaned.
-    script = ("import os, sys, time; from lit_dist.processes import die_with_parent\n"
+    script = ("import os, sys, time; from lit_dist.runtime.processes import die_with_parent\n"
               "pid = os.fork()\n"
               "if pid == 0:\n"
               "    die_with_parent(); open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60); os._exit(0)\n"
@@ -76,8 +76,8 @@ def test_a_process_that_asked_to_die_with_its_parent_does(tmp_path):
 def test_rank_0_ending_as_every_rank_does_lets_its_child_rank_say_its_line_first(code, heard):
     # Rank 0 ends its child ranks by ending (die_with_parent); a child a moment behind on the same way out (a full
     # disk's line of its own still to print) is waited for, one that may be stuck in a collective is not.
-    script = ("import os, subprocess, sys; from lit_dist import processes\n"
-              "child = subprocess.Popen([sys.executable, '-c', 'import sys, time; from lit_dist.processes import "
+    script = ("import os, subprocess, sys; from lit_dist.runtime import processes\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import sys, time; from lit_dist.runtime.processes import "
               "die_with_parent; die_with_parent(int(sys.argv[1])); time.sleep(1.5); print(\"child: my line\", "
               "flush=True)', str(os.getpid())])\n"
               "processes.ChildRanks.current = processes.ChildRanks([child])\n"
@@ -97,7 +97,7 @@ def _state(pid: int) -> str:
 
 
 def test_a_collective_broken_by_a_peer_that_went_away_is_one_line_and_anything_else_is_not():
-    from lit_dist.processes import peer_lost
+    from lit_dist.runtime.processes import peer_lost
 
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:34729: Connection reset by peer. "
                         "This is typically caused by a remote worker hanging")
@@ -161,7 +161,7 @@ def test_a_worker_killed_while_its_batch_is_handed_over_is_named_too():
 def test_a_process_started_in_a_session_of_its_own_is_found_by_its_tag_and_killed():
     # torchrun starts each worker in a session of its own: the tests' check of what a run left behind went by the
     # run's session alone, and a hung plain_ddp rank outlived its benchmark unseen.
-    from lit_dist.processes import tagged
+    from lit_dist.runtime.processes import tagged
     from tests.helpers.processes import left_after
 
     tag = ("LIT_DIST_TEST_RUN", f"t{os.getpid()}")
@@ -179,7 +179,7 @@ def test_a_process_started_in_a_session_of_its_own_is_found_by_its_tag_and_kille
 
 _KILLED_WITH_A_SEMAPHORE = """
 import multiprocessing, os, signal, sys
-from lit_dist.processes import quiet_resource_tracker
+from lit_dist.runtime.processes import quiet_resource_tracker
 if sys.argv[1] == "quiet":
     quiet_resource_tracker()
 lock = multiprocessing.get_context("forkserver").Lock()  # a named semaphore, as loader queues have

@@ -9,11 +9,11 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from lit_dist.callbacks.progress import Progress
-from lit_dist.control import RunControl
 from lit_dist.errors import ConfigError
-from lit_dist.models import SimpleCNN
-from lit_dist.module import LitModel
-from lit_dist.perf import peak_tflops
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import SimpleCNN
+from lit_dist.runtime.control import RunControl
+from lit_dist.watch.perf import peak_tflops
 
 
 class Images(torch.utils.data.Dataset):
@@ -126,7 +126,7 @@ def test_a_loader_without_a_length_prints_steps_without_a_total_unless_max_steps
 def test_a_flop_meter_that_fails_to_start_stays_stopped(monkeypatch):
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lit_dist.perf import FlopMeter
+    from lit_dist.watch.perf import FlopMeter
 
     def refuse(self):
         raise RuntimeError("a mode stack that does not take it")

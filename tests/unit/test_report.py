@@ -54,7 +54,7 @@ def test_report_of_a_killed_run_says_it_stopped_without_a_word_and_a_wrong_folde
 def test_checkpoints_with_a_damaged_marker_are_left_out_of_the_report_and_the_others_listed(tmp_path):
     import json
 
-    from lit_dist.report import checkpoints
+    from lit_dist.watch.report import checkpoints
 
     folder = tmp_path / "checkpoints"
     markers = {"step-000000010": json.dumps({"step": 10, "reason": "every_n_steps",
@@ -73,7 +73,7 @@ def test_checkpoints_with_a_damaged_marker_are_left_out_of_the_report_and_the_ot
 
 
 def test_the_newest_sample_grid_is_named_and_drawn_beside_the_curves(tmp_path):
-    from lit_dist.report import read
+    from lit_dist.watch.report import read
 
     run = tmp_path / "run"
     (run / "goodput").mkdir(parents=True)

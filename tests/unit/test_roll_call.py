@@ -11,7 +11,7 @@ import time
 import pytest
 from torch.distributed import TCPStore
 
-from lit_dist import roll_call
+from lit_dist.runtime import roll_call
 from tests.helpers.ports import free_port
 
 pytestmark = pytest.mark.unit

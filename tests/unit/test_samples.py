@@ -10,17 +10,17 @@ from lightning.pytorch import Trainer, seed_everything
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lit_dist.adherence import Judge, ShapesJudge
 from lit_dist.callbacks.progress import Progress
 from lit_dist.callbacks.samples import Samples
-from lit_dist.control import RunControl
-from lit_dist.ema import EMA
 from lit_dist.errors import ConfigError
-from lit_dist.models import TinyUNet
-from lit_dist.module import LitModel
-from lit_dist.objectives import FlowMatching
-from lit_dist.sampling import encode_prompts
-from lit_dist.tensorboard import TensorBoardLogger
+from lit_dist.model.ema import EMA
+from lit_dist.model.judge import Judge, ShapesJudge
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import TinyUNet
+from lit_dist.model.objectives import FlowMatching
+from lit_dist.model.sampling import encode_prompts
+from lit_dist.runtime.control import RunControl
+from lit_dist.watch.tensorboard import TensorBoardLogger
 
 pytestmark = pytest.mark.unit
 
@@ -88,7 +88,7 @@ def test_a_grid_of_several_groups_swaps_the_average_in_once(monkeypatch):
 
 
 def test_a_classifier_run_makes_no_samples():
-    from lit_dist.models import SimpleCNN
+    from lit_dist.model.nets import SimpleCNN
 
     root = tempfile.mkdtemp()
     seed_everything(0)
@@ -129,7 +129,7 @@ def test_label_prompts_are_class_numbers_or_names():
 def test_the_shapes_judge_says_what_it_needs(tmp_path):
     with pytest.raises(ConfigError, match="does not exist: export the quickstart's classifier first"):
         ShapesJudge(str(tmp_path / "missing.pt"))
-    from lit_dist.models import SimpleCNN
+    from lit_dist.model.nets import SimpleCNN
 
     torch.save(SimpleCNN(num_classes=4).state_dict(), tmp_path / "model.pt")
     judge = ShapesJudge(str(tmp_path / "model.pt"))

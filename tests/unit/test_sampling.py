@@ -1,4 +1,4 @@
-"""lit_dist.sampling against denoisers that know the answer: when all the data is one image x*, the ideal flow
+"""lit_dist.model.sampling against denoisers that know the answer: when all the data is one image x*, the ideal flow
 matching velocity is (x_t - x*) / t and the ideal noise prediction is (x_t - sqrt(a) x*) / sqrt(1 - a); diffusers'
 samplers driven by lit-dist's objectives must then land on x* from any noise, which checks the time and timestep
 conventions end to end. Guidance and the same seeds giving the same images are checked too."""
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
-from lit_dist.objectives import Diffusion, FlowMatching
-from lit_dist.sampling import initial_noise, null_condition, sample
+from lit_dist.model.objectives import Diffusion, FlowMatching
+from lit_dist.model.sampling import initial_noise, null_condition, sample
 
 pytestmark = pytest.mark.unit
 TARGET = torch.linspace(-1, 1, 2 * 3 * 4 * 4).view(2, 3, 4, 4)
@@ -56,7 +56,7 @@ def test_ddim_on_the_training_schedule_lands_on_the_one_image_the_ideal_noise_po
 
 
 def test_the_same_seed_gives_the_same_images_and_another_seed_others():
-    from lit_dist.models import TinyUNet
+    from lit_dist.model.nets import TinyUNet
 
     torch.manual_seed(0)
     net = TinyUNet(channels=(8, 16), num_classes=3, embed_dim=16).eval()

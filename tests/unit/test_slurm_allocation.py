@@ -3,8 +3,8 @@
 import pytest
 
 from lit_dist.errors import ConfigError
-from lit_dist.launch import check_allocation, tasks_per_node
-from lit_dist.slurm import job_id
+from lit_dist.runtime.launch import check_allocation, tasks_per_node
+from lit_dist.runtime.slurm import job_id
 
 
 def slurm(**extra) -> dict:

@@ -148,7 +148,7 @@ def test_tensorboard_first_used_on_a_full_disk_stops_writing_instead_of_raising(
     # What rank 0 of an FSDP2 run met in CI: the first value logged after a checkpoint had filled the disk, so the
     # events file's first record did not fit while the writer was being made; Lightning turned that into a
     # ValueError, rank 0 ended alone with it and the other rank never said why.
-    from lit_dist.tensorboard import TensorBoardLogger
+    from lit_dist.watch.tensorboard import TensorBoardLogger
 
     full = small_fs("full", 64)
     with pytest.raises(OSError) as filling:

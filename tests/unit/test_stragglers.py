@@ -8,10 +8,10 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_dist.callbacks.stragglers import _FACTS, StragglerDetector
-from lit_dist.control import Agreed, RunControl
 from lit_dist.errors import ConfigError
-from lit_dist.models import SimpleCNN
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import SimpleCNN
+from lit_dist.runtime.control import Agreed, RunControl
 from tests.helpers.recorder import SleepInStep
 
 pytestmark = pytest.mark.unit

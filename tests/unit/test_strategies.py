@@ -3,13 +3,14 @@ from types import SimpleNamespace
 import pytest
 
 from lit_dist.errors import ConfigError
-from lit_dist.models import SimpleCNN
-from lit_dist.strategies import check_strategy, find_blocks, import_classes
+from lit_dist.model.nets import SimpleCNN
+from lit_dist.strategies.checks import check_strategy
+from lit_dist.strategies.fsdp import find_blocks, import_classes
 
 
 def test_block_classes_that_do_not_import_are_all_named():
     with pytest.raises(ConfigError) as err:
-        import_classes(["lit_dist.models.NoSuchBlock", "nope.Block", "lit_dist.models.ConvStage"], "block_classes")
+        import_classes(["lit_dist.model.nets.NoSuchBlock", "nope.Block", "lit_dist.model.nets.ConvStage"], "block_classes")
     assert "NoSuchBlock" in str(err.value) and "nope.Block" in str(err.value) and "2 problems" in str(err.value)
 
 
@@ -21,13 +22,13 @@ def test_block_classes_the_model_lacks_get_suggestions():
 
     with pytest.raises(ConfigError, match="contains none of them"):
         find_blocks(SimpleCNN(), [Block], "trainer.strategy.init_args.block_classes")
-    assert len(find_blocks(SimpleCNN(channels=(8, 8, 8)), import_classes(["lit_dist.models.ConvStage"], "x"), "x")) == 3
+    assert len(find_blocks(SimpleCNN(channels=(8, 8, 8)), import_classes(["lit_dist.model.nets.ConvStage"], "x"), "x")) == 3
 
 
 @pytest.mark.parametrize("strategy,needle,alternative", [
-    ("deepspeed", "needs CUDA", "lit_dist.strategies.DeepSpeedStrategy"),  # Lightning's own, by its registered name
+    ("deepspeed", "needs CUDA", "lit_dist.strategies.deepspeed.DeepSpeedStrategy"),  # Lightning's own, by its registered name
     ("fsdp", "FSDP1", "FSDP2"),
-    (SimpleNamespace(class_path="lit_dist.strategies.FSDPStrategy"), "FSDP1", "FSDP2")])
+    (SimpleNamespace(class_path="lit_dist.strategies.fsdp.FSDPStrategy"), "FSDP1", "FSDP2")])
 def test_gpu_only_strategies_are_refused_on_cpu_with_the_alternative(strategy, needle, alternative):
     problems = check_strategy(SimpleNamespace(strategy=strategy, accelerator="auto"), cuda_available=False)
     assert problems and needle in problems[0] and alternative in problems[0], problems
@@ -40,8 +41,9 @@ def test_fsdp1_and_deepspeed_presets_construct_on_cpu():
 
     import yaml
 
-    from lit_dist.models import ConvStage
-    from lit_dist.strategies import DeepSpeedStrategy, FSDPStrategy
+    from lit_dist.model.nets import ConvStage
+    from lit_dist.strategies.deepspeed import DeepSpeedStrategy
+    from lit_dist.strategies.fsdp import FSDPStrategy
     from tests.conftest import CONFIGS
 
     fsdp_args = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())["trainer"]["strategy"]["init_args"]
@@ -49,7 +51,7 @@ def test_fsdp1_and_deepspeed_presets_construct_on_cpu():
     assert fsdp.kwargs["auto_wrap_policy"]._module_classes == {ConvStage} and fsdp.sharding_strategy.name == "FULL_SHARD"
     for name in ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero2_offload", "deepspeed_zero3", "deepspeed_zero3_offload"):
         strategy_config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())["trainer"]["strategy"]
-        assert strategy_config["class_path"] == "lit_dist.strategies.DeepSpeedStrategy", name
+        assert strategy_config["class_path"] == "lit_dist.strategies.deepspeed.DeepSpeedStrategy", name
         path = strategy_config["init_args"]["config"]
         expected = json.loads((CONFIGS.parent / path).read_text())["zero_optimization"]["stage"]
         strategy = DeepSpeedStrategy(config=str(CONFIGS.parent / path))

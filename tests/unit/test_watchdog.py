@@ -5,10 +5,10 @@ import torch
 from lightning.pytorch import Trainer
 
 from lit_dist.callbacks.watchdog import HangWatchdog
-from lit_dist.control import RunControl
 from lit_dist.errors import ConfigError
-from lit_dist.models import SimpleCNN
-from lit_dist.module import LitModel
+from lit_dist.model.module import LitModel
+from lit_dist.model.nets import SimpleCNN
+from lit_dist.runtime.control import RunControl
 
 pytestmark = pytest.mark.unit
 

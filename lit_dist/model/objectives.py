@@ -1,0 +1,291 @@
+"""What a batch becomes: the objective of a ``LitModel`` (``model.objective`` in the YAML).
+
+One LightningModule trains every task; the objective only says how a batch becomes a loss, what
+evaluation measures and what prediction returns. Optimisation, LR scaling, warmup, checkpoints and
+every strategy stay in ``LitModel``.
+
+- ``Classification`` (the default): ``net(image) -> logits``; loss, accuracy, the predicted class.
+- ``FlowMatching``: rectified flow, the SD3 / Flux objective. ``x_t = (1 - t) x0 + t noise`` and the
+  network predicts the velocity ``noise - x0``.
+- ``Diffusion``: a DDPM noise schedule (diffusers' ``DDPMScheduler``), predicting the noise (epsilon)
+  or the velocity (v).
+
+A generative objective calls the network (the denoiser) as ``net(x_t, timestep, condition)``:
+``x_t`` the noisy input (B, C, H, W), ``timestep`` float (B,) on diffusers' scale (0 to 1000),
+``condition`` the caption embeddings (B, ...) or the class labels (B,) int64, or None. It may
+return a tensor or an object with a ``.sample`` tensor (diffusers' models). The objective owns
+condition dropout (for classifier-free guidance): a denoiser must not drop labels itself. A dropped
+caption is an all-zero embedding, a dropped label is ``null_label``.
+
+Example (YAML)::
+
+    model:
+      objective:
+        class_path: lit_dist.model.objectives.FlowMatching
+        init_args: {condition: caption, condition_dropout: 0.1, timesteps: logit_normal}
+"""
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lit_dist.errors import ConfigError
+from lit_dist.runtime.extras import require
+
+
+class Objective:
+    """How a batch becomes a loss (training and evaluation) and what prediction returns."""
+
+    def bind(self, input_key: str, target_key: str) -> None:
+        """The batch keys the model was given (``model.input_key``, ``model.target_key``)."""
+        self.input_key, self.target_key = input_key, target_key
+
+    def take(self, batch: dict, which: str) -> torch.Tensor:
+        """``batch[model.input_key]`` (which: input) or ``[model.target_key]`` (target), or one ConfigError naming
+        the keys the batches hold (a latent model without its cache, labels in a table without them)."""
+        key = self.input_key if which == "input" else self.target_key
+        if key not in batch:
+            raise ConfigError(f"model.{which}_key = {key!r}, and the batches hold {sorted(batch)}: set model.{which}_key "
+                              "to one of them (latents come from data.cache.encoder: key data.cache.encoder_key)")
+        return batch[key]
+
+    def loss(self, net: nn.Module, batch: dict, train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one batch and extra per-batch metrics (means over the batch)."""
+        raise NotImplementedError
+
+    def predict(self, net: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class Classification(Objective):
+    """``net(image)`` gives logits; the loss is ``model.loss`` (cross-entropy by default)."""
+
+    def __init__(self, loss: nn.Module | None = None):
+        """Classify.
+
+        Args:
+            loss: Loss module called as loss(logits, target); default: cross-entropy.
+        """
+        self.loss_fn = loss if loss is not None else nn.CrossEntropyLoss()
+
+    def loss(self, net, batch, train):
+        logits = net(self.take(batch, "input"))  # (B, num_classes)
+        target = self.take(batch, "target")  # (B,)
+        loss = self.loss_fn(logits, target)
+        with torch.no_grad():
+            acc = (logits.argmax(dim=-1) == target).float().mean()
+        return loss, {"acc": acc}
+
+    def predict(self, net, batch):
+        logits = net(self.take(batch, "input"))  # (B, num_classes)
+        return {"prediction": logits.argmax(dim=-1), "probability": logits.softmax(-1).amax(-1)}
+
+
+def seeded_normal(shape: tuple[int, ...], seed: int, index: int) -> torch.Tensor:
+    """Standard normal values of ``shape`` drawn on the CPU from their own seed (``seed``, ``index``): the same on any
+    device, at any world size and whatever else shares the batch (validation noises, samples' starting noises)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + int(index)))
+
+
+def denoise(net: nn.Module, x: torch.Tensor, timestep: torch.Tensor, condition) -> torch.Tensor:
+    """``net(x, timestep, condition)`` as a tensor (diffusers' models return an object with ``.sample``)."""
+    out = net(x, timestep, condition)
+    out = getattr(out, "sample", out)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        raise ConfigError(f"model.net ({type(net).__name__}) returned {type(out).__name__} "
+                          f"{tuple(getattr(out, 'shape', ()))} for a noisy input of {tuple(x.shape)}: a denoiser "
+                          "is called as net(x_t, timestep, condition) and returns a tensor of x_t's shape")
+    return out
+
+
+class Generative(Objective):
+    """What flow matching and diffusion share: conditioning, its dropout, timestep sampling and a
+    deterministic evaluation loss."""
+
+    def __init__(self, condition: Literal["caption", "label", "none"], condition_key: str | None,
+                 condition_dropout: float, null_label: int | None, timesteps: str, logit_mean: float,
+                 logit_std: float, eval_timesteps: int, eval_seed: int):
+        problems = []
+        if condition not in ("caption", "label", "none"):
+            problems.append(f"model.objective.condition = {condition!r}: must be caption, label or none")
+        if not 0.0 <= condition_dropout < 1.0:
+            problems.append(f"model.objective.condition_dropout = {condition_dropout}: must be in [0, 1)")
+        if condition == "label" and condition_dropout > 0 and null_label is None:
+            problems.append("model.objective.condition_dropout > 0 with labels needs model.objective.null_label: "
+                            "the label the denoiser reserves for 'no label' (usually its number of classes)")
+        if timesteps not in ("uniform", "logit_normal"):
+            problems.append(f"model.objective.timesteps = {timesteps!r}: must be uniform or logit_normal")
+        if logit_std <= 0:
+            problems.append(f"model.objective.logit_std = {logit_std}: must be positive")
+        if eval_timesteps < 1:
+            problems.append(f"model.objective.eval_timesteps = {eval_timesteps}: must be at least 1")
+        ConfigError.collect(problems)
+        self.condition, self.condition_dropout, self.null_label = condition, condition_dropout, null_label
+        self.condition_key = condition_key
+        self.timesteps, self.logit_mean, self.logit_std = timesteps, logit_mean, logit_std
+        self.eval_timesteps, self.eval_seed = eval_timesteps, eval_seed
+
+    def bind(self, input_key, target_key):
+        super().bind(input_key, target_key)
+        if self.condition_key is None:
+            self.condition_key = {"caption": "caption_embedding", "label": target_key, "none": None}[self.condition]
+
+    def condition_of(self, batch: dict, train: bool) -> torch.Tensor | None:
+        """The batch's condition; in training, each sample's dropped with probability condition_dropout."""
+        if self.condition == "none":
+            return None
+        if self.condition_key not in batch:
+            raise ConfigError(f"model.objective.condition = {self.condition} reads the batch key "
+                              f"{self.condition_key!r}, and the batches hold {sorted(batch)}: set "
+                              "model.objective.condition_key, or data.cache.caption_key for cached captions")
+        cond = batch[self.condition_key]
+        if not train or self.condition_dropout == 0:
+            return cond
+        drop = torch.rand(len(cond), device=cond.device) < self.condition_dropout
+        if self.condition == "label":
+            return torch.where(drop, torch.full_like(cond, self.null_label), cond)
+        # "No caption" is an all-zero embedding (as SDXL's force_zeros_for_empty_prompt): the same at sampling,
+        # whichever caption encoder filled the cache.
+        return torch.where(drop.view(-1, *[1] * (cond.dim() - 1)), torch.zeros_like(cond), cond)
+
+    def sample_t(self, n: int, device, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Training times in (0, 1): uniform, or the sigmoid of a normal (logit-normal, SD3's default)."""
+        if self.timesteps == "uniform":
+            return torch.rand(n, device=device, generator=generator)
+        z = torch.randn(n, device=device, generator=generator) * self.logit_std + self.logit_mean
+        return torch.sigmoid(z)
+
+    def loss(self, net, batch, train):
+        x0 = self.take(batch, "input")
+        cond = self.condition_of(batch, train)
+        if train:
+            t = self.sample_t(len(x0), x0.device)
+            noise = torch.randn_like(x0)
+            per_sample = self.per_sample_loss(net, x0, noise, t, cond)
+            return per_sample.mean(), {}
+        # Evaluation: the same timesteps and noises for every sample at every validation (as torchtitan's
+        # Flux does), so that the number compares across runs, resumes and world sizes.
+        return self.fixed_losses(net, x0, cond, batch.get("row")).mean(), {}
+
+    def fixed_losses(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:
+        """(B,) losses, each the mean over ``eval_timesteps`` evenly spaced times, with one noise per sample seeded
+        by its metadata row (by its place in the batch where the batches have no rows)."""
+        noise = torch.stack([self.eval_noise(x0[i], i if rows is None else int(rows[i])) for i in range(len(x0))])
+        times = (torch.arange(self.eval_timesteps, dtype=torch.float32, device=x0.device) + 0.5) / self.eval_timesteps
+        total = sum(self.per_sample_loss(net, x0, noise, t.expand(len(x0)), cond) for t in times)
+        return total / self.eval_timesteps
+
+    def eval_noise(self, like: torch.Tensor, row: int) -> torch.Tensor:
+        return seeded_normal(tuple(like.shape), self.eval_seed, row).to(like)
+
+    def per_sample_loss(self, net, x0, noise, t, cond) -> torch.Tensor:
+        """(B,) losses at times ``t`` in (0, 1)."""
+        raise NotImplementedError
+
+    def predict(self, net, batch):
+        cond = self.condition_of(batch, train=False)
+        return {"loss": self.fixed_losses(net, self.take(batch, "input"), cond, batch.get("row"))}
+
+
+def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(B,) mean squared error per sample, in float32."""
+    return F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(1)
+
+
+class FlowMatching(Generative):
+    """Rectified flow: ``x_t = (1 - t) x0 + t noise``; the denoiser predicts ``noise - x0``."""
+
+    def __init__(self, condition: Literal["caption", "label", "none"] = "caption", condition_key: str | None = None,
+                 condition_dropout: float = 0.1, null_label: int | None = None,
+                 timesteps: Literal["uniform", "logit_normal"] = "logit_normal", logit_mean: float = 0.0,
+                 logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0):
+        """Train a denoiser by flow matching.
+
+        Args:
+            condition: What the denoiser is conditioned on: caption (embeddings from the cache), label or none.
+            condition_key: Batch key of the condition; default: data.cache.caption_key's default, or model.target_key.
+            condition_dropout: Probability a training sample's condition is dropped, for classifier-free guidance.
+            null_label: With labels: the label that stands for "no label" (the denoiser's number of classes).
+            timesteps: Training time distribution: uniform, or logit_normal (SD3's default).
+            logit_mean: Mean of the normal behind logit_normal times.
+            logit_std: Standard deviation of the normal behind logit_normal times.
+            eval_timesteps: Evenly spaced times of the deterministic validation loss.
+            eval_seed: Seed of the validation loss's noises (one per sample, by its metadata row).
+        """
+        super().__init__(condition, condition_key, condition_dropout, null_label, timesteps, logit_mean, logit_std,
+                         eval_timesteps, eval_seed)
+
+    def per_sample_loss(self, net, x0, noise, t, cond):
+        tt = t.view(-1, *[1] * (x0.dim() - 1)).to(x0.dtype)
+        x_t = (1 - tt) * x0 + tt * noise
+        pred = denoise(net, x_t, t * 1000, cond)  # diffusers' timestep scale (SD3: sigma x 1000)
+        return _mse(pred, noise - x0)
+
+
+class Diffusion(Generative):
+    """A DDPM noise schedule (diffusers' ``DDPMScheduler``); the denoiser predicts the noise or the velocity."""
+
+    def __init__(self, prediction: Literal["epsilon", "v_prediction"] = "epsilon",
+                 beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "scaled_linear",
+                 num_train_timesteps: int = 1000, snr_gamma: float | None = None,
+                 condition: Literal["caption", "label", "none"] = "caption", condition_key: str | None = None,
+                 condition_dropout: float = 0.1, null_label: int | None = None,
+                 timesteps: Literal["uniform", "logit_normal"] = "uniform", logit_mean: float = 0.0,
+                 logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0):
+        """Train a denoiser by diffusion.
+
+        Args:
+            prediction: What the denoiser predicts: epsilon (the noise) or v_prediction (the velocity).
+            beta_schedule: The noise schedule, as diffusers names it.
+            num_train_timesteps: Steps of the noise schedule.
+            snr_gamma: Min-SNR-gamma loss weighting (5 is usual); null: every timestep weighs the same.
+            condition: What the denoiser is conditioned on: caption (embeddings from the cache), label or none.
+            condition_key: Batch key of the condition; default: data.cache.caption_key's default, or model.target_key.
+            condition_dropout: Probability a training sample's condition is dropped, for classifier-free guidance.
+            null_label: With labels: the label that stands for "no label" (the denoiser's number of classes).
+            timesteps: Training timestep distribution: uniform, or logit_normal.
+            logit_mean: Mean of the normal behind logit_normal timesteps.
+            logit_std: Standard deviation of the normal behind logit_normal timesteps.
+            eval_timesteps: Evenly spaced timesteps of the deterministic validation loss.
+            eval_seed: Seed of the validation loss's noises (one per sample, by its metadata row).
+        """
+        super().__init__(condition, condition_key, condition_dropout, null_label, timesteps, logit_mean, logit_std,
+                         eval_timesteps, eval_seed)
+        problems = []
+        if prediction not in ("epsilon", "v_prediction"):
+            problems.append(f"model.objective.prediction = {prediction!r}: must be epsilon or v_prediction")
+        if snr_gamma is not None and snr_gamma <= 0:
+            problems.append(f"model.objective.snr_gamma = {snr_gamma}: must be positive, or null for no weighting")
+        if num_train_timesteps < 2:
+            problems.append(f"model.objective.num_train_timesteps = {num_train_timesteps}: must be at least 2")
+        ConfigError.collect(problems)
+        require("diffusers", "model.objective Diffusion (its noise schedule, diffusers' DDPMScheduler)")
+        from diffusers import DDPMScheduler
+
+        self.scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
+                                       prediction_type=prediction)
+        self.prediction, self.snr_gamma, self.num_train_timesteps = prediction, snr_gamma, num_train_timesteps
+        self._alphas_cumprod = self.scheduler.alphas_cumprod  # moved to the batches' device once, not every step
+
+    def per_sample_loss(self, net, x0, noise, t, cond):
+        steps = (t * self.num_train_timesteps).long().clamp_(0, self.num_train_timesteps - 1)
+        if self._alphas_cumprod.device != x0.device:
+            self._alphas_cumprod = self._alphas_cumprod.to(x0.device)
+        alphas = self._alphas_cumprod[steps]  # (B,) float32
+        a = alphas.sqrt().view(-1, *[1] * (x0.dim() - 1))
+        s = (1 - alphas).sqrt().view(-1, *[1] * (x0.dim() - 1))
+        x_t = (a * x0.float() + s * noise.float()).to(x0.dtype)
+        target = noise if self.prediction == "epsilon" else a * noise.float() - s * x0.float()
+        losses = _mse(denoise(net, x_t, steps.float(), cond), target)
+        if self.snr_gamma is None:
+            return losses
+        # Min-SNR-gamma (Hang et al. 2023): weight min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v.
+        snr = alphas / (1 - alphas)
+        clipped = snr.clamp(max=self.snr_gamma)
+        weight = clipped / snr if self.prediction == "epsilon" else clipped / (snr + 1)
+        return losses * weight
+

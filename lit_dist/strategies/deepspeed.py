@@ -1,0 +1,163 @@
+"""``DeepSpeedStrategy``: Lightning's, able to run on CPU processes too (``configs/deepspeed_*.yaml``), and whether
+DeepSpeed is installed."""
+
+import importlib.util
+import os
+import re
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
+
+from lit_dist.ckpt.store import STATE
+from lit_dist.errors import ConfigError
+
+
+class DeepSpeedStrategy(LightningDeepSpeedStrategy):
+    """Lightning's DeepSpeed strategy, which also runs on CPU processes (for tests and small runs).
+
+    On GPUs it is Lightning's, unchanged. With ``trainer.accelerator: cpu`` it skips two of Lightning's checks,
+    both about CUDA devices, not about DeepSpeed: the guard that refuses any accelerator but CUDA (added in 2022,
+    when DeepSpeed itself could not run on CPU; DeepSpeed now has a CPU accelerator, gloo when oneCCL is absent)
+    and the check of CUDA device indices; and it gives DeepSpeed the local rank as its device rank, where
+    Lightning gives the CPU device's index (None). ZeRO 1-3 and CPU offload then train, save and resume on CPU.
+    """
+
+    def __init__(self, logging_batch_size_per_gpu: int | str = "auto", **kwargs):
+        """Lightning's DeepSpeedStrategy arguments (``config``: a DeepSpeed JSON file or dict, and the rest).
+
+        Args:
+            logging_batch_size_per_gpu: DeepSpeed's micro batch when its JSON leaves it out; lit-dist sets it to data.batch_size_per_device.
+        """
+        super().__init__(logging_batch_size_per_gpu=logging_batch_size_per_gpu, **kwargs)
+        self._micro_batch = logging_batch_size_per_gpu
+
+    def _auto_select_batch_size(self) -> int:
+        # Lightning reads the loader's batch_size, which lit-dist's loaders leave unset (the dataset returns whole
+        # batches); Lightning applies logging_batch_size_per_gpu only where no JSON is given.
+        return self._micro_batch if isinstance(self._micro_batch, int) else super()._auto_select_batch_size()
+
+    def _on_cpu(self) -> bool:
+        return self.root_device.type == "cpu"
+
+    def setup_environment(self) -> None:
+        if not self._on_cpu():
+            super().setup_environment()
+            return
+        # Read by DeepSpeed when it is first imported (by setup_distributed, next): its CPU accelerator.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        DDPStrategy.setup_environment(self)  # what Lightning's does after its CUDA-only guard
+
+    def setup_distributed(self) -> None:
+        if not self._on_cpu():
+            super().setup_distributed()
+            return
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+        _unlink_shm_buffer(self.global_rank)
+
+    @contextmanager
+    def _device_rank(self):
+        """Within: the CPU devices carry the ranks' indices, which Lightning hands DeepSpeed as ``device_rank``."""
+        if not self._on_cpu():
+            yield
+            return
+        devices = self.parallel_devices
+        self.parallel_devices = [torch.device("cpu", i) for i in range(len(devices))]
+        try:
+            yield
+        finally:
+            self.parallel_devices = devices
+
+    def _setup_model_and_optimizer(self, *args, **kwargs):
+        with self._device_rank():
+            return super()._setup_model_and_optimizer(*args, **kwargs)
+
+    def _initialize_deepspeed_inference(self, *args, **kwargs):
+        with self._device_rank():
+            return super()._initialize_deepspeed_inference(*args, **kwargs)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        """Lightning's, after one check: a resume of training on as many processes as saved the checkpoint. DeepSpeed
+        partitions the optimizer state (and under ZeRO-3 the weights and their average) by process and cannot
+        repartition it: elsewhere it ends in its own exception's traceback. The keys the module may lack or hold
+        beyond its own (its ``optional_state``: the weight average, which model.ema turns on or off at a resume) are
+        left out of DeepSpeed's strict load; those it lacked are started by ``start_unsaved`` once the whole
+        checkpoint is loaded (under ZeRO-3 the weights' partitions come with the optimizer state)."""
+        saved = _deepspeed_world_size(checkpoint_path)
+        if saved not in (None, self.world_size) and self.lightning_module.trainer.state.fn == "fit":
+            path = Path(checkpoint_path)
+            path = path.parent if path.name == STATE else path  # the checkpoint's folder, as lit-dist names it
+            raise ConfigError(f"the checkpoint {path} was saved by DeepSpeed on {saved} processes and this "
+                              f"run has {self.world_size}: DeepSpeed resumes only on as many as saved it. Run on {saved} "
+                              "processes (trainer.devices x trainer.num_nodes), or start a new run (run.run_id); "
+                              f"`lit-dist export {path}` writes its weights")
+        module = self.lightning_module
+        optional = getattr(module, "optional_state", lambda key: False)
+        unsaved: list[str] = []
+
+        def tolerate(_, incompatible) -> None:  # the module's load_state_dict post-hook: strict about the rest
+            for keys, lacked in ((incompatible.missing_keys, True), (incompatible.unexpected_keys, False)):
+                for key in [k for k in keys if optional(k)]:
+                    keys.remove(key)
+                    if lacked:
+                        unsaved.append(key)
+
+        handle = module.register_load_state_dict_post_hook(tolerate)
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        finally:
+            handle.remove()
+        if unsaved and hasattr(module, "start_unsaved"):
+            module.start_unsaved(unsaved)
+        return checkpoint
+
+
+def _unlink_shm_buffer(rank: int) -> None:
+    """Remove the name of this rank's shared-memory buffer of DeepSpeed's CPU all-reduce, once every rank has
+    mapped every other's (DeepSpeed's ``shm_initialize`` returns only then; the barrier waits for all of them).
+    DeepSpeed never removes it: each CPU run left 69 MB per rank in /dev/shm for good. The mappings stay valid;
+    the memory goes with the last process that maps it, a killed one included."""
+    import torch.distributed as dist
+
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
+           f"{os.environ.get('MASTER_PORT', '')}_{rank}"  # deepspeed/ops/csrc/cpu/comm/shm.cpp
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    with suppress(FileNotFoundError):  # DeepSpeed without its shm all-reduce (ranks on several nodes, older builds)
+        os.unlink(name)
+
+
+def _deepspeed_world_size(path) -> int | None:
+    """How many processes saved the DeepSpeed checkpoint at ``path`` (one optimizer-state file each); None if it
+    holds none."""
+    from lit_dist.ckpt.deepspeed_files import rank_files
+
+    return len(rank_files(path, "optim_states")) or None
+
+
+INSTALL_DEEPSPEED = "Install it with `pip install --no-build-isolation deepspeed` (bash .ci/setup does)."
+
+
+def deepspeed_installed() -> bool:
+    try:
+        return importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):  # ValueError: blocked as None in sys.modules
+        return False
+
+
+def missing_deepspeed(parse_error: str) -> str | None:
+    """The message for a config that names a DeepSpeed class (the offload presets' optimizer) where DeepSpeed
+    is not installed, instead of the type error the parser gives; None for any other parse error."""
+    from lit_dist.errors import explain_parse_error
+
+    named = re.search(r"class_path='(deepspeed\.[\w.]+)'", parse_error)
+    if named is None or deepspeed_installed():
+        return None
+    field = explain_parse_error(parse_error).split(": ", 1)[0]
+    return f"{field} = {named.group(1)!r} but DeepSpeed is not installed. {INSTALL_DEEPSPEED}"
