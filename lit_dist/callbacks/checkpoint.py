@@ -63,7 +63,8 @@ from lit_dist.runtime import compat
 from lit_dist.runtime.control import Agreed, Event, RunControl
 from lit_dist.runtime.distributed import all_gather_object
 from lit_dist.runtime.outage import DEADLINE_S, StoreUnreachable
-from lit_dist.runtime.run_dir import RUN_ID_ENV, process_age_s
+from lit_dist.runtime.processes import age_s
+from lit_dist.runtime.run_dir import RUN_ID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +387,7 @@ class Checkpointing(Checkpoint):
         if step == self._last_seen_step:  # accumulating gradients: no optimizer step since the last batch
             return
         if self.resumed_from and self._last_seen_step < 0:
-            age = process_age_s()
+            age = age_s()
             rank_zero_info(f"lit-dist: first step after resuming (step {step}) done"
                            + (f" {age:.1f} s after the process started" if age is not None else ""))
         self._last_seen_step = step

@@ -37,7 +37,7 @@ from lightning.pytorch import Callback
 
 from lit_dist.errors import ConfigError
 from lit_dist.runtime.control import Event, RunControl
-from lit_dist.runtime.run_dir import process_age_s
+from lit_dist.runtime.processes import age_s
 from lit_dist.watch import goodput
 from lit_dist.watch.perf import FlopMeter, Totals, peak_tflops
 
@@ -87,7 +87,7 @@ class Progress(Callback):
         self._carried_from: tuple[int | None, float | None] = (None, None)  # (attempt that saved it, when)
         self._ledger = goodput.Ledger()  # earlier attempts; this one's seconds are added when asked
         self._journal: goodput.Journal | None = None
-        self._started = time.time() - (process_age_s() or 0.0)  # this attempt's start: the process's
+        self._started = time.time() - age_s()  # this attempt's start: the process's
         self._first_batch: float | None = None  # perf_counter of this attempt's first training batch
         self._blocked = 0.0  # checkpoint stall not yet taken out of the interval it fell in
 

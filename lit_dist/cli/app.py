@@ -460,12 +460,12 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(int(ExitCode.CONFIG_ERROR))
     except Exception as exc:
         from lit_dist.ckpt.space import storage_full
-        from lit_dist.runtime import processes
+        from lit_dist.runtime import processes, roll_call
 
         who = f"rank {_rank()}: " if _world() > 1 else ""
         err = _user_error(exc) or processes.worker_death(exc, _rank()) or storage_full(exc, who)
         if err is None:
-            lost = processes.peer_lost(exc, _rank(), _world())
+            lost = roll_call.peer_lost(exc, _rank(), _world())
             # A child rank that ended first broke this rank's collective: its end is the run's (one that closed
             # its connection may take a while to exit: its interpreter, its workers).
             if (code := processes.blame_child(wait_s=30.0 if lost else 3.0)) is not None:

@@ -19,6 +19,7 @@ import sys
 import time
 
 from lit_dist.errors import ExitCode
+from lit_dist.runtime import processes
 
 EXIT_AFTER_DUMP_S = 2.0  # from the dump to the exit: time for faulthandler to write every thread's stack
 _CLOCK_MONOTONIC = 1
@@ -126,12 +127,10 @@ def dump_helpers(prefix: str, wait_s: float = 2.0) -> list[str]:
     the others, and its workers with it."""
     lines, mine = [], os.path.realpath(prefix) + "-worker-pid-"  # the kernel names open files by real path
     written: dict[str, int] = {}  # each signalled worker's file: its length before the signal
-    for pid in _descendants(os.getpid()):
-        status = _read(f"/proc/{pid}/status")
-        caught = int(next((ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), "0"), 16)
-        if not caught >> (int(DUMP_SIGNAL) - 1) & 1:
+    for pid in processes.descendants(os.getpid()):
+        if not processes.catches(pid, int(DUMP_SIGNAL)):
             continue  # the fork server, the resource tracker: the signal would end them
-        files = sorted({target for target in _open_files(pid) if target.startswith("/") and not target.startswith("/dev/")})
+        files = sorted(processes.open_files(pid))
         if f"{mine}{pid}.txt" not in files:
             continue  # another rank's worker
         written[f"{mine}{pid}.txt"] = len(_read(f"{mine}{pid}.txt"))  # in characters, as it is sliced below
@@ -139,10 +138,9 @@ def dump_helpers(prefix: str, wait_s: float = 2.0) -> list[str]:
             os.kill(pid, DUMP_SIGNAL)
         except ProcessLookupError:
             continue
-        state = next((ln.split(None, 1)[1] for ln in status.splitlines() if ln.startswith("State:")), "?")
-        wchan = _read(f"/proc/{pid}/wchan").strip()
-        waits = f", waiting in {wchan}" if wchan not in ("", "0") else ""  # hidden ("0") on many kernels
-        lines.append(f"helper process pid {pid} ({state.strip()}{waits}): open files: {', '.join(files) or 'none'}")
+        wchan = processes.waits_in(pid)  # hidden on many kernels
+        waits = f", waiting in {wchan}" if wchan else ""
+        lines.append(f"helper process pid {pid} ({processes.state(pid)}{waits}): open files: {', '.join(files) or 'none'}")
     deadline = time.monotonic() + wait_s  # a worker in the kernel's uninterruptible wait writes its stacks only
     while written and time.monotonic() < deadline:
         written = {path: size for path, size in written.items() if "\nreading: " not in _read(path)[size:]}
@@ -150,33 +148,6 @@ def dump_helpers(prefix: str, wait_s: float = 2.0) -> list[str]:
     return lines
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _read(f"/proc/{entry}/stat")
-            if stat:
-                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _open_files(pid: int) -> list[str]:
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return []
-    targets = []
-    for name in names:
-        try:
-            targets.append(os.readlink(f"/proc/{pid}/fd/{name}"))
-        except OSError:
-            pass  # closed meanwhile
-    return targets
 
 
 def _read(path: str) -> str:

@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+import psutil
+
 from lit_dist.errors import ExitCode, LitDistError
 
 _PR_SET_PDEATHSIG = 1
@@ -58,33 +60,95 @@ class ProcessDied(LitDistError):
     exit_code = ExitCode.PROCESS_DIED
 
 
+# -- what the system says of a process: psutil, in this one place --------------------------------------------------
+
 def tagged(name: str, value: str) -> list[int]:
-    """The live processes (Linux) started with ``name=value`` in their environment: everything a command started,
-    in whatever session (torchrun starts each worker in a session of its own) and whoever its parent is now.
-    For whoever runs lit-dist as a child and must reach all of it (a benchmark, a test)."""
-    needle = f"{name}={value}".encode()
+    """The live processes started with ``name=value`` in their environment: everything a command started, in
+    whatever session (torchrun starts each worker in a session of its own) and whoever its parent is now. For
+    whoever runs lit-dist as a child and must reach all of it (a benchmark, a test)."""
     found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter():
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-        except OSError:
+            if proc.environ().get(name) == value and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue  # ended while we looked, or another user's
-        if alive(int(entry)):
-            found.append(int(entry))
     return found
 
 
 def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (Linux): a zombie, ended and waiting for its parent to reap it, does not."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+    """Whether ``pid`` runs: a zombie, ended and waiting for its parent to reap it, does not; another user's
+    process that we may not inspect does."""
+    if pid <= 0:
         return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch; the same for every reader (None: it is gone)."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def age_s() -> float:
+    """Seconds since this process started, to the kernel's clock tick (e.g. how long a restart took). Against the
+    clock since boot: the epoch time of the boot is whole seconds, too coarse for an age."""
+    since_boot = psutil.Process().create_time() - psutil.boot_time()  # the start in ticks after boot, exactly
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (children, their children, ...)."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def state(pid: int) -> str:
+    """What the kernel says ``pid`` is doing ("sleeping", "disk-sleep", ...), or "gone"."""
+    try:
+        return psutil.Process(pid).status()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return "gone"
+    except psutil.AccessDenied:
+        return "?"
+
+
+def open_files(pid: int) -> list[str]:
+    """The regular files ``pid`` has open, by real path."""
+    try:
+        return [f.path for f in psutil.Process(pid).open_files()]
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+# psutil has neither a process's caught signals nor its wait channel: these two read /proc (Linux) themselves.
+def catches(pid: int, number: int) -> bool:
+    """Whether ``pid`` has a handler for signal ``number`` (its SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next((line.split()[1] for line in f if line.startswith("SigCgt:")), "0")
+    except OSError:
+        return False
+    return bool(int(mask, 16) >> (number - 1) & 1)
+
+
+def waits_in(pid: int) -> str:
+    """The kernel function ``pid`` sleeps in ("" where the kernel hides it, or it runs)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            found = f.read().strip()
+    except OSError:
+        return ""
+    return "" if found == "0" else found
 
 
 def die_with_parent(parent: int | None = None) -> bool:
@@ -303,27 +367,6 @@ def worker_death(exc: BaseException, rank: int) -> ProcessDied | None:
                        "data.num_workers or data.batch_size_per_device; resume the run from its last checkpoint")
 
 
-# What a collective raises on the ranks left when another process of the run went away mid-collective.
-_PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Remote process exited")
-
-
-def peer_lost(exc: BaseException, rank: int, world: int = 1) -> ProcessDied | None:
-    """A ProcessDied for a collective that failed because a peer process went away, else None. Under srun or
-    torchrun this rank cannot see how the peer ended; it names the ranks that stopped answering the job's
-    rendezvous store (``lit_dist.runtime.roll_call``), and the launcher's own lines say how they ended."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, RuntimeError) and (match := _PEER_LOST.search(str(exc))):
-            from lit_dist.runtime import roll_call
-
-            gone = roll_call.gone(rank, world)
-            who = f"{gone} went away" if gone else "another process of the run went away"
-            return ProcessDied(f"rank {rank}: a collective failed because {who} ({match.group(0)}); the launcher's "
-                               "log says how it ended (torchrun: 'failed (exitcode: -9) local_rank: N', srun: 'task "
-                               "N: Killed'); resume the run from its last checkpoint")
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def _loader_of(tb):

@@ -22,10 +22,13 @@ Reads never block: a TCPStore ``get`` of a missing key waits until the store's o
 
 import logging
 import os
+import re
 import signal
 import socket
 import threading
 import time
+
+from lit_dist.runtime.processes import ProcessDied, alive
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +82,7 @@ def _name(rank: int, who: tuple[str, int] | None) -> str:
 
 def _ended_here(who: tuple[str, int] | None) -> bool:
     """Whether a rank registered on this host has ended (no such process, or a zombie): known at once, no wait."""
-    if who is None or who[0] != socket.gethostname():
-        return False
-    try:
-        with open(f"/proc/{who[1]}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError):
-        return False
+    return who is not None and who[0] == socket.gethostname() and not alive(who[1])
 
 
 def _store_host_is_rank_0() -> bool:
@@ -141,3 +136,23 @@ def _linger(store, ranks: list[int], bound_s: float = 5.0) -> None:
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline and not all(store.check([f"{_KEY}/{r}/done"]) for r in ranks):
         time.sleep(0.1)
+
+# What a collective raises on the ranks left when another process of the run went away mid-collective.
+_PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Remote process exited")
+
+
+def peer_lost(exc: BaseException, rank: int, world: int = 1) -> ProcessDied | None:
+    """A ProcessDied for a collective that failed because a peer process went away, else None. Under srun or
+    torchrun this rank cannot see how the peer ended; it names the ranks that stopped answering the job's
+    rendezvous store (``gone``), and the launcher's own lines say how they ended."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError) and (match := _PEER_LOST.search(str(exc))):
+            lost = gone(rank, world)
+            who = f"{lost} went away" if lost else "another process of the run went away"
+            return ProcessDied(f"rank {rank}: a collective failed because {who} ({match.group(0)}); the launcher's "
+                               "log says how it ended (torchrun: 'failed (exitcode: -9) local_rank: N', srun: 'task "
+                               "N: Killed'); resume the run from its last checkpoint")
+        exc = exc.__cause__ or exc.__context__
+    return None

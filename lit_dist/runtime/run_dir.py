@@ -9,6 +9,8 @@ of the same Slurm job, so that the job resumes into the same folder.
 import os
 import time
 
+from lit_dist.runtime.processes import started_at
+
 RUN_ID_ENV = "LIT_DIST_RUN_ID"
 
 
@@ -51,23 +53,12 @@ def _launcher_id(env) -> str | None:
     launcher): the launcher's own start time and pid, which all its processes read alike. Processes on other
     machines have another launcher: there, run.run_id (or torchrun --rdzv-id) must be given."""
     parent = os.getppid()
-    started = process_start(parent)
+    started = started_at(parent)
     if started is None:
         return None
     kind = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "launch"
     return f"{kind}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(started))}-{parent}"
 
-
-def process_start(pid: int | str = "self") -> float | None:
-    """When process ``pid`` started, in seconds since the epoch (Linux); the same for every reader."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-    return boot + started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def run_dir(config: RunConfig, environ: dict | None = None) -> tuple[str, str]:
@@ -99,13 +90,3 @@ def check_writable(path: str) -> None:
     raise ConfigError(f"run.root_dir: the run directory {path} cannot be made or written here: {folder} {why}. Set "
                       "--run.root_dir to a folder this user can write (on several nodes, one they share)")
 
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux), to 10 ms: e.g. how long a restart took."""
-    try:
-        with open("/proc/self/stat") as f:
-            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-    # Against the clock since boot: /proc/stat's boot time is whole seconds, too coarse for an age.
-    return time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")

@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 
+import psutil
 import pytest
 
 from lit_dist.runtime.processes import tagged
@@ -16,17 +17,11 @@ from lit_dist.runtime.processes import tagged
 def session_processes(sid: int) -> dict[int, str]:
     """{pid: command line} of the live (not zombie) processes of session ``sid``."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter(["cmdline", "status"]):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-            if int(fields[3]) != sid or fields[0] == "Z":
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) == sid:
+                found[proc.pid] = " ".join(proc.info["cmdline"] or [])
+        except (ProcessLookupError, PermissionError):
             continue  # ended while we looked
     return found
 
@@ -52,9 +47,8 @@ def _run_processes(sid: int, tag: tuple[str, str] | None) -> dict[int, str]:
     found = session_processes(sid)
     for pid in tagged(*tag) if tag else []:
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                found.setdefault(pid, f.read().replace(b"\0", b" ").decode(errors="replace").strip())
-        except OSError:
+            found.setdefault(pid, " ".join(psutil.Process(pid).cmdline()))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue  # ended while we looked
     return found
 

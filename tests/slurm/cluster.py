@@ -58,11 +58,9 @@ def install() -> str:
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (this sandbox reaps exited daemons late: a zombie counts as dead)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
+    from lit_dist.runtime.processes import alive
+
+    return alive(pid)
 
 
 def _wait(check, what: str, timeout_s: float = 30) -> None:

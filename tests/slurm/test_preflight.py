@@ -9,6 +9,8 @@ import subprocess
 import threading
 import time
 
+import psutil
+
 from lit_dist.errors import ExitCode
 from tests.conftest import REPO, quickstart_args
 
@@ -23,14 +25,10 @@ def _preflight(env, tmp_path, demo_data, run_id: str, *extra: str, timeout: floa
 
 
 def _rank_pid(run_id: str, rank: int) -> int | None:
-    for entry in os.listdir("/proc"):
-        try:
-            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-        except (OSError, ValueError):
-            continue
-        if f"SLURM_PROCID={rank}".encode() in environ and b"preflight" in cmdline and run_id.encode() in cmdline:
-            return int(entry)
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        environ, cmdline = proc.info["environ"] or {}, " ".join(proc.info["cmdline"] or [])
+        if environ.get("SLURM_PROCID") == str(rank) and "preflight" in cmdline and run_id in cmdline:
+            return proc.pid
     return None
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 
+import psutil
 import torch
 
 from tests.conftest import REPO, quickstart_args
@@ -86,17 +87,11 @@ def test_usr1_saves_requeues_and_the_restarted_job_resumes_bitwise(slurm, tmp_pa
 
 
 def _task_pid(job: str, rank: int) -> int | None:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if (f"SLURM_JOB_ID={job}".encode() in environ and f"SLURM_PROCID={rank}".encode() in environ
-                and b"lit-dist" in cmdline and b"fit" in cmdline):
-            return int(entry)
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        environ, cmdline = proc.info["environ"] or {}, " ".join(proc.info["cmdline"] or [])
+        if (environ.get("SLURM_JOB_ID") == job and environ.get("SLURM_PROCID") == str(rank)
+                and "lit-dist" in cmdline and "fit" in cmdline):
+            return proc.pid
     return None
 
 

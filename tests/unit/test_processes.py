@@ -11,7 +11,7 @@ import time
 import pytest
 
 from lit_dist.errors import ExitCode
-from lit_dist.runtime.processes import how_it_ended, run_code, worker_death
+from lit_dist.runtime.processes import alive, how_it_ended, run_code, worker_death
 
 
 def test_how_a_process_ended_names_its_signal_and_meaning_or_its_code():
@@ -63,12 +63,11 @@ def test_a_process_that_asked_to_die_with_its_parent_does(tmp_path):
     subprocess.run([sys.executable, "-c", script, str(marker)], check=True, timeout=30)
     child = int(marker.read_text())
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and os.path.exists(f"/proc/{child}") and _state(child) != "Z":
+    while time.monotonic() < deadline and alive(child):
         time.sleep(0.1)
-    alive = os.path.exists(f"/proc/{child}") and _state(child) != "Z"
-    if alive:
+    if alive(child):
         os.kill(child, signal.SIGKILL)
-    assert not alive, f"the child {child} outlived its parent"
+        pytest.fail(f"the child {child} outlived its parent")
 
 
 @pytest.mark.process
@@ -88,16 +87,9 @@ def test_rank_0_ending_as_every_rank_does_lets_its_child_rank_say_its_line_first
     assert ("child: my line" in out.stdout) == heard, (out.stdout, time.monotonic() - start)
 
 
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "Z"
-
 
 def test_a_collective_broken_by_a_peer_that_went_away_is_one_line_and_anything_else_is_not():
-    from lit_dist.runtime.processes import peer_lost
+    from lit_dist.runtime.roll_call import peer_lost
 
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:34729: Connection reset by peer. "
                         "This is typically caused by a remote worker hanging")
