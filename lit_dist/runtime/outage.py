@@ -11,7 +11,6 @@ the deadline it raises ``StoreUnreachable`` (exit 17: the job may be retried lat
 """
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -24,12 +23,10 @@ T = TypeVar("T")
 DEADLINE_S = 180.0  # the default of data.outage_deadline_s (and of reads that have no knob of their own)
 FIRST_WAIT_S = 1.0
 LONGEST_WAIT_S = 30.0
-# Codes and words of an answer that is the store's trouble, not the object's (S3 and its look-alikes).
-_SERVER_TROUBLE = ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttl",
-                   "Please reduce your request rate")
-# A 5xx status as botocore ("An error occurred (503)") and aiohttp ("503, message=...") print it: a number of its own,
-# not digits of a key (a checkpoint's step-000000500).
-_SERVER_STATUS = re.compile(r"(?<![\w-])50[0234](?![\w-])")
+# Error codes of an S3 answer that is the store's trouble, not the object's (S3 and its look-alikes); any 5xx status
+# and 429 (too many requests) are too.
+_SERVER_TROUBLE = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                   "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException", "RequestTimeTooSkewed"}
 
 
 # Each request to an S3 store, unless the storage options say otherwise: a network that drops packets without a word
@@ -77,6 +74,22 @@ def _connection_types() -> tuple[type, ...]:
     return tuple(types)
 
 
+def _server_trouble(exc: BaseException) -> bool:
+    """Whether ``exc`` is the store's answer that it is in trouble itself, read from the answer's status and code
+    (never from the message, where a key's digits or a word can look like one): botocore's ``ClientError`` (which
+    s3fs raises as the cause of its ``OSError``) or aiohttp's ``ClientResponseError`` (fsspec's HTTP store)."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore.exceptions.ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return response.get("Error", {}).get("Code") in _SERVER_TROUBLE or _trouble_status(status)
+    status = getattr(exc, "status", None)
+    return type(exc).__name__ == "ClientResponseError" and _trouble_status(status)
+
+
+def _trouble_status(status) -> bool:
+    return isinstance(status, int) and (status >= 500 or status == 429)
+
+
 def is_outage(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) says the store could not be reached or answered for itself, not the
     object: a connection refused or reset, a timeout, a 5xx or throttling answer."""
@@ -84,11 +97,8 @@ def is_outage(exc: BaseException) -> bool:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, connection):
+        if isinstance(exc, connection) or _server_trouble(exc):
             return True
-        if isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
-            if any(word in str(exc) for word in _SERVER_TROUBLE) or _SERVER_STATUS.search(str(exc)):
-                return True
         exc = exc.__cause__ or exc.__context__
     return False
 
@@ -98,6 +108,9 @@ def call(read: Callable[[], T], what: str, deadline_s: float, who: str = "", ver
     """``read()``, retried through an outage of the store for up to ``deadline_s`` seconds from its first failure;
     ``who`` starts each line (e.g. "rank 1: "), ``verb`` and ``what`` say what was being done ("saving", "step 12 to
     s3://b/ckpt/step-000000012"), ``knob`` is the setting that holds the deadline."""
+    # A loop of its own rather than tenacity's: its stop_after_delay and stop_before_delay count from the first
+    # attempt, so an upload that failed after running longer than the deadline would never be retried; here the
+    # deadline counts from the first failure, and each wait says how long so far.
     started = None  # the first failure: a long upload cut short is retried however long it ran
     wait = FIRST_WAIT_S
     while True:
