@@ -20,41 +20,25 @@ import tempfile
 import time
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 
-from benchmarks.common import SHORT_HELP, InMemoryData, machine, result_line
+from benchmarks.common import SHORT_HELP, InMemoryData, TimedSaves, machine, result_line
 from benchmarks.models import MLPClassifier
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt.store import STATE
 from lit_dist.model.module import LitModel
 
 
-class Measure(Callback):
+class Measure(TimedSaves):
     """Every ``every`` steps, one save of the next kind in (sync, async, bare); records the times."""
 
     def __init__(self, checkpointing: Checkpointing, folder: str, every: int, repeats: int):
-        self.checkpointing, self.folder, self.every, self.repeats = checkpointing, folder, every, repeats
-        self.kinds = ["sync", "async", "bare"] * repeats
+        super().__init__(["sync", "async", "bare"] * repeats, every)
+        self.checkpointing, self.folder, self.repeats = checkpointing, folder, repeats
         self.times = {"sync": [], "async": [], "bare": []}
         self.bytes = {}
-        self.step_s = {"after_async": [], "after_other": []}
-        self._last_kind = None
-        self._step_start = None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._step_start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        if self._last_kind is not None and step % self.every:
-            key = "after_async" if self._last_kind == "async" else "after_other"
-            self.step_s[key].append(time.perf_counter() - self._step_start)
-        if step % self.every or step < self.every:  # the first interval warms up
-            return
-        if not self.kinds:
-            trainer.should_stop = True
-            return
-        kind = self.kinds.pop(0)
+    def save(self, trainer, kind: str) -> None:
         cb = self.checkpointing
         # Each save starts with nothing pending: torch.save leaves its pages for the kernel to write
         # back later, which would otherwise slow down whichever save comes next.
@@ -76,7 +60,6 @@ class Measure(Callback):
             self.times[kind].append(time.perf_counter() - start)
             if kind == "sync":
                 self.bytes[kind] = os.path.getsize(os.path.join(cb.last_path, STATE))
-        self._last_kind = kind
 
 
 def main() -> None:

@@ -32,11 +32,11 @@ import tempfile
 import time
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.tensor import DTensor
 
-from benchmarks.common import SHORT_HELP, InMemoryData, machine, result_line
+from benchmarks.common import SHORT_HELP, InMemoryData, TimedSaves, machine, result_line
 from benchmarks.models import MLPClassifier
 from lit_dist.callbacks.checkpoint import Checkpointing
 from lit_dist.ckpt.store import STATE
@@ -48,34 +48,18 @@ from lit_dist.strategies.fsdp import FSDP2Strategy
 KINDS = ("sync", "async", "bare", "bare_fsync")
 
 
-class Measure(Callback):
+class Measure(TimedSaves):
     """Every ``every`` steps, one save of the next kind in ``KINDS`` on every rank; records its times."""
 
     def __init__(self, checkpointing: Checkpointing, folder: str, every: int, repeats: int):
-        self.checkpointing, self.folder, self.every = checkpointing, folder, every
-        self.kinds = list(KINDS) * (repeats + 1)  # the first round warms up
+        super().__init__(list(KINDS) * (repeats + 1), every)  # the first round warms up
+        self.checkpointing, self.folder = checkpointing, folder
         self.times = {kind: [] for kind in KINDS}
         self.write_s = {kind: [] for kind in KINDS if kind.startswith("bare")}  # the torch.save alone
         self.bytes = {}
-        self.step_s = {"after_async": [], "after_other": []}
-        self._last_kind = None
-        self._step_start = None
         self.results = None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._step_start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        if self._last_kind is not None and step % self.every:
-            key = "after_async" if self._last_kind == "async" else "after_other"
-            self.step_s[key].append(time.perf_counter() - self._step_start)
-        if step % self.every or step < self.every:  # the first interval warms up
-            return
-        if not self.kinds:
-            trainer.should_stop = True
-            return
-        kind = self.kinds.pop(0)
+    def save(self, trainer, kind: str) -> None:
         cb, rank = self.checkpointing, trainer.global_rank
         if kind.startswith("bare"):
             cb.wait_for_save(trainer)  # a previous asynchronous write must not overlap the baseline
@@ -105,7 +89,6 @@ class Measure(Callback):
             if kind == "sync":
                 self.bytes[kind] = os.path.getsize(os.path.join(saved, STATE, f"__{rank}_0.distcp"))
         trainer.strategy.barrier()
-        self._last_kind = kind
 
     def on_train_end(self, trainer, pl_module):
         self.checkpointing.wait_for_save(trainer)

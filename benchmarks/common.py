@@ -59,6 +59,39 @@ class StepTimer(Callback):
             print("BENCH " + json.dumps({"first_step_at": self.first_step_at, "steps_per_s": steps / elapsed}), flush=True)
 
 
+class TimedSaves(Callback):
+    """Every ``every`` optimizer steps, after a first interval that warms up, one save of the next kind in ``kinds``
+    (``save(trainer, kind)``: a benchmark's own); meanwhile the time of each step without a save, kept apart by
+    whether the save before it was asynchronous (``step_s``: what a background write costs the steps). Training
+    stops once every kind has had its turn."""
+
+    def __init__(self, kinds: list[str], every: int):
+        self.kinds, self.every = list(kinds), every
+        self.step_s = {"after_async": [], "after_other": []}
+        self._last_kind = None
+        self._step_start = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if self._last_kind is not None and step % self.every:
+            key = "after_async" if self._last_kind == "async" else "after_other"
+            self.step_s[key].append(time.perf_counter() - self._step_start)
+        if step % self.every or step < self.every:  # the first interval warms up
+            return
+        if not self.kinds:
+            trainer.should_stop = True
+            return
+        kind = self.kinds.pop(0)
+        self.save(trainer, kind)
+        self._last_kind = kind
+
+    def save(self, trainer, kind: str) -> None:
+        raise NotImplementedError
+
+
 def machine() -> str:
     return f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
 
