@@ -121,8 +121,27 @@ def prepare_strategy(config) -> None:
     init_args = getattr(config.trainer.strategy, "init_args", None)
     per_device = getattr(getattr(config.data, "init_args", config.data), "batch_size_per_device", None)
     deepspeed = "deepspeed" in strategy_name(config.trainer.strategy).lower()
+    if deepspeed:
+        _build_deepspeed_ops(config)
     if deepspeed and init_args is not None and getattr(init_args, "logging_batch_size_per_gpu", "auto") == "auto" \
             and per_device:
         # DeepSpeed's micro batch: Lightning would guess it from the loader's batch_size, which
         # lit-dist's loaders leave unset (the dataset returns whole batches).
         init_args.logging_batch_size_per_gpu = per_device
+
+
+def _build_deepspeed_ops(config) -> None:
+    """DeepSpeed's CPU operators a run on CPU processes will load, built before any process group (by every process:
+    the first builds, the others wait for its lock and load it; the launching process says so)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from lit_dist.strategies.deepspeed import build_cpu_ops
+
+    accelerator = str(config.trainer.accelerator).lower()
+    if not (accelerator == "cpu" or (accelerator in ("auto", "none") and not torch.cuda.is_available())):
+        return  # on GPUs DeepSpeed's own JIT build, for the GPU, stays as it is
+    names = ["deepspeed_shm_comm"]
+    optimizer = getattr(getattr(config.model, "init_args", config.model), "optimizer", None)
+    if "cpuadam" in str(getattr(optimizer, "class_path", "") or "").lower():
+        names.append("cpu_adam")
+    build_cpu_ops(names, say=rank_zero_only.rank == 0)

@@ -161,3 +161,57 @@ def missing_deepspeed(parse_error: str) -> str | None:
         return None
     field = explain_parse_error(parse_error).split(": ", 1)[0]
     return f"{field} = {named.group(1)!r} but DeepSpeed is not installed. {INSTALL_DEEPSPEED}"
+
+
+# DeepSpeed's operators that a run on CPU processes uses, by the name torch builds them under: the shared-memory
+# collectives of its CPU accelerator (every DeepSpeed run on CPU) and the CPU Adam of the offload presets. DeepSpeed
+# compiles one on its first load (torch's cpp_extension, into TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by
+# default) and loads it from there afterwards.
+CPU_OPS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder"}
+
+
+def build_cpu_ops(names: list[str], say: bool = True) -> list[str]:
+    """Make sure DeepSpeed's CPU operators ``names`` (keys of ``CPU_OPS``) are built: those not built yet are
+    compiled now, once, with a line saying so and how long it took (``say``: this process speaks for the machine);
+    a compile that fails is one ConfigError with the compiler's last error. Returns the names compiled here."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when DeepSpeed is first imported
+    import time
+
+    from deepspeed.ops.op_builder import cpu as builders
+
+    missing = [name for name in names if not _built(name)]
+    if missing and say:
+        print(f"lit-dist: building DeepSpeed's CPU operators {', '.join(missing)} for this machine, once (about a "
+              f"minute each on 2 cores); later runs load them from {_build_root()}", flush=True)
+    began = time.monotonic()
+    for name in names:
+        try:
+            getattr(builders, CPU_OPS[name])().load(verbose=False)
+        except Exception as exc:  # noqa: BLE001 - whatever the build raises, one line with the compiler's own words
+            raise ConfigError(f"building DeepSpeed's CPU operator {name} failed: {_last_error(exc)}. DeepSpeed's "
+                              "CPU runs need a C++ compiler and ninja (Debian: apt-get install g++ ninja-build; pip "
+                              "install ninja); or run on GPUs, or with another strategy") from exc
+    if missing and say:
+        print(f"lit-dist: built {', '.join(missing)} in {time.monotonic() - began:.0f} s", flush=True)
+    return missing
+
+
+def _build_root() -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+
+def _built(name: str) -> bool:
+    """Whether torch's JIT build folder holds operator ``name``, compiled (a build left half done does not count)."""
+    import glob
+
+    return bool(glob.glob(os.path.join(_build_root(), "*", name, f"{name}*.so")))
+
+
+def _last_error(exc: BaseException) -> str:
+    """The compiler's last error line in a failed build's message (torch puts the build's output there), else the
+    message's last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and not line.startswith("ninja: build stopped")]
+    return (errors or lines or [type(exc).__name__])[-1]
