@@ -25,7 +25,7 @@ def test_quickstart_trains_to_90_percent_on_cpu(tmp_path):
     # The quickstart's classifier is the shapes judge of generated samples (lit_dist.model.judge): on the real
     # validation images it must accept their own captions and refuse another image's.
     from lit_dist.data.datamodule import BucketDataModule
-    from lit_dist.model.judge import ShapesJudge
+    from lit_dist.data.demo.judge import ShapesJudge
 
     run_dir = tmp_path / re.search(r"run directory: (\S+)", out.stdout).group(1)
     judge = ShapesJudge(str(run_dir / "model.pt"))

@@ -12,9 +12,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lit_dist.callbacks.progress import Progress
 from lit_dist.callbacks.samples import Samples
+from lit_dist.data.demo.judge import ShapesJudge
 from lit_dist.errors import ConfigError
 from lit_dist.model.ema import EMA
-from lit_dist.model.judge import Judge, ShapesJudge
+from lit_dist.model.judge import Judge
 from lit_dist.model.module import LitModel
 from lit_dist.model.nets import TinyUNet
 from lit_dist.model.objectives import FlowMatching
