@@ -203,7 +203,7 @@ def called_by_lit_dist(stack) -> bool:
         path = frame.filename.replace(os.sep, "/")
         if "/torch/" in path or "/lightning/" in path:
             continue
-        return "/lit_dist/" in path and not path.endswith("/lit_dist/cli.py")
+        return "/lit_dist/" in path and not path.endswith("/lit_dist/cli/app.py")
     return False
 
 
