@@ -393,6 +393,14 @@ def _user_error(exc: BaseException | None) -> LitDistError | None:
     return None
 
 
+def _ranks_started(procs: list) -> None:
+    """Lightning's launcher has started this machine's other ranks: watch them; their zygote is done."""
+    from lit_dist.runtime import processes, warm_ranks
+
+    warm_ranks.done()
+    processes.ChildRanks.start_for(procs)
+
+
 def _drop_local_rank(argv: list[str]) -> list[str]:
     """Remove ``--local_rank N``, which the DeepSpeed launcher and torch.distributed.launch add to the command
     line; it is also in the LOCAL_RANK variable, where Lightning reads it."""
@@ -435,12 +443,13 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lit-dist`` console script."""
     argv = _drop_local_rank(sys.argv[1:] if args is None else args)
     try:
-        from lit_dist.runtime import compat, processes
+        from lit_dist.runtime import compat, processes, warm_ranks
         from lit_dist.watch.console import quiet_lightning, whole_lines
 
         whole_lines()  # before any line: the ranks of a run share one console
         processes.join_launcher()
-        compat.observe_child_ranks(processes.ChildRanks.start_for)
+        compat.observe_child_ranks(_ranks_started)
+        compat.launch_local_ranks_with(warm_ranks.launch)
         compat.plain_console()
         quiet_lightning()
         code = _dispatch(argv)

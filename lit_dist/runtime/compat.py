@@ -20,6 +20,7 @@ function                                Lightning internal
 ``collective_timeout_s``                ``strategy._timeout`` (DDP, FSDP, DeepSpeed, ModelParallel)
 ``collectives_issued``                  ``ProcessGroup._get_sequence_number_for_group`` (torch, not Lightning)
 ``observe_child_ranks``                 ``launchers.subprocess_script._launch_process_observer``
+``launch_local_ranks_with``             ``launchers.subprocess_script.subprocess`` (its ``Popen``)
 ``plain_console``                       ``trainer.connectors.callback_connector._RICH_AVAILABLE``
 ======================================  ==========================================================
 """
@@ -194,6 +195,24 @@ def observe_child_ranks(start) -> None:
     with _internal("launchers.subprocess_script._launch_process_observer"):
         subprocess_script._launch_process_observer  # noqa: B018 - fails here, not at launch, if renamed
     subprocess_script._launch_process_observer = start
+
+
+def launch_local_ranks_with(popen) -> None:
+    """Have Lightning's launcher start the local ranks it starts with ``popen(command, env=..., cwd=...)`` in place
+    of ``subprocess.Popen`` (lit_dist/runtime/warm_ranks.py); everything else of ``subprocess`` stays."""
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    with _internal("launchers.subprocess_script.subprocess.Popen"):
+        real = subprocess_script.subprocess
+        real.Popen  # noqa: B018 - fails here, not at launch, if Lightning no longer starts ranks so
+
+    class _Subprocess:
+        Popen = staticmethod(popen)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    subprocess_script.subprocess = _Subprocess()
 
 
 def plain_console() -> None:

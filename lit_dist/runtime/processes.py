@@ -104,6 +104,14 @@ def age_s() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot
 
 
+def parent_of(pid: int) -> int | None:
+    """The pid of ``pid``'s parent now (None: it is gone)."""
+    try:
+        return psutil.Process(pid).ppid()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
     """The live processes below ``pid`` (children, their children, ...)."""
     try:

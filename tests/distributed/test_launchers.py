@@ -49,3 +49,22 @@ def test_the_deepspeed_launcher_on_one_machine(tmp_path, demo_data):
     # Under its own launcher DeepSpeed all-reduces on CPU through a 69 MB shared-memory buffer per rank, which it
     # never removes: lit-dist removes their names once every rank has mapped them.
     assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_lightnings_own_launcher_starts_the_local_ranks_from_a_warm_fork(tmp_path, demo_data, warm):
+    # trainer.devices 2 on one machine: rank 1 forked by rank 0's zygote after the imports, or (turned off) a new
+    # interpreter Lightning starts. Either way rank 1 is rank 0's child and knows its own rank.
+    import json
+
+    from tests.conftest import lit_dist
+
+    out = lit_dist("fit", *quickstart_args(tmp_path, demo_data), *COMMON, "--trainer.devices", "2",
+                   "--trainer.max_steps", "2", "--run.run_id", "r",
+                   "--trainer.callbacks+=tests.helpers.recorder.WhoAmI",
+                   env={"LIT_DIST_WARM_RANKS": "1" if warm else "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    who = [json.loads((tmp_path / "quickstart" / "r" / f"who-rank{r}.json").read_text()) for r in range(2)]
+    assert who[1]["ppid"] == who[0]["pid"] and [w["rank_zero_only"] for w in who] == [0, 1], who
+    # A fork keeps rank 0's command line; Lightning's launcher runs `python -m lit_dist.__main__ ...`.
+    assert (who[1]["cmdline"] == who[0]["cmdline"]) == warm, who

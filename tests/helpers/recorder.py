@@ -515,3 +515,16 @@ class AverageByHand(Callback):
             run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir
             torch.save({name: g.float() for name, g in zip(ema.names, got, strict=True)},
                        os.path.join(run_dir, "average.pt"))
+
+
+class WhoAmI(Callback):
+    """Writes ``{run dir}/who-rank{N}.json`` at the start of training: this rank's pid, parent, command line,
+    Lightning's idea of its rank (``rank_zero_only.rank``) and its process's start time."""
+
+    def on_train_start(self, trainer, pl_module):
+        import psutil
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        me = psutil.Process()
+        write_rank_json(trainer, "who", {"pid": me.pid, "ppid": me.ppid(), "cmdline": me.cmdline(),
+                                         "rank_zero_only": rank_zero_only.rank, "started": me.create_time()})

@@ -185,3 +185,16 @@ def test_optimizer_steps_now_is_false_for_the_micro_batches_a_strategy_accumulat
                       limit_val_batches=0, strategy=Accumulating(torch.device("cpu")))
     trainer.fit(model, torch.utils.data.DataLoader(Data(), batch_size=4))
     assert model.calls == [(0, False), (0, False), (0, True), (1, False), (1, False), (1, True)]
+
+
+def test_launch_local_ranks_with_replaces_only_the_launchers_popen(monkeypatch):
+    import subprocess
+
+    from lightning.pytorch.strategies.launchers import subprocess_script
+
+    monkeypatch.setattr(subprocess_script, "subprocess", subprocess)  # put back after the test
+    started = []
+    compat.launch_local_ranks_with(lambda command, env=None, cwd=None: started.append((command, cwd)))
+    subprocess_script.subprocess.Popen(["python", "-m", "lit_dist", "fit"], env={}, cwd="/tmp")
+    assert started == [(["python", "-m", "lit_dist", "fit"], "/tmp")]
+    assert subprocess_script.subprocess.TimeoutExpired is subprocess.TimeoutExpired and subprocess.Popen is not None
