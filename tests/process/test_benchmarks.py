@@ -42,7 +42,7 @@ def run_short(name: str, tmp_path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_the_short_run_ends_with_its_result_line(name, tmp_path):
     for module in EXTRAS.get(name, []):
-        pytest.importorskip(module, reason=f"{name} needs {module} (an optional extra; bash .ci/setup installs it)")
+        pytest.importorskip(module, reason=f"{name} needs {module} (an optional extra; bash .ci/setup test installs it)")
     out = run_short(name, tmp_path)
     # 2: argparse refused the command line (no --short).
     assert out.returncode == 0, f"exit {out.returncode}; stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"

@@ -27,7 +27,7 @@ def s3_endpoint():
         except (requests.ConnectionError, requests.Timeout):
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError("the moto S3 server did not start (is moto[server] installed? bash .ci/setup)") from None
+                raise RuntimeError("the moto S3 server did not start (is moto[server] installed? bash .ci/setup test)") from None
             time.sleep(0.1)
     yield url
     proc.terminate()
