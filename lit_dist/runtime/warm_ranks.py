@@ -92,11 +92,13 @@ def prepare(argv: list[str]) -> bool:
 
 
 def done() -> None:
-    """The local ranks are started: the zygote ends (it sees its socket close)."""
+    """The local ranks are started: the zygote ends. Killed, not told: a helper forked from this process since
+    (the loader workers' fork server) holds a copy of its socket, so closing ours is no end of file to it."""
     global _ZYGOTE
     if _ZYGOTE is not None:
         _ZYGOTE.sock.close()
-        with contextlib.suppress(ChildProcessError):
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(_ZYGOTE.pid, signal.SIGKILL)  # it has nothing to lose: it waits for a request
             os.waitpid(_ZYGOTE.pid, 0)
         _ZYGOTE = None
 

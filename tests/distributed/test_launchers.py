@@ -59,8 +59,9 @@ def test_lightnings_own_launcher_starts_the_local_ranks_from_a_warm_fork(tmp_pat
 
     from tests.conftest import lit_dist
 
+    # A loader worker each: rank 0's fork server, forked after the zygote, holds a copy of the zygote's socket.
     out = lit_dist("fit", *quickstart_args(tmp_path, demo_data), *COMMON, "--trainer.devices", "2",
-                   "--trainer.max_steps", "2", "--run.run_id", "r",
+                   "--trainer.max_steps", "2", "--run.run_id", "r", "--data.num_workers", "1",
                    "--trainer.callbacks+=tests.helpers.recorder.WhoAmI",
                    env={"LIT_DIST_WARM_RANKS": "1" if warm else "0"})
     assert out.returncode == 0, out.stderr[-3000:]
