@@ -26,7 +26,7 @@ def main() -> None:
     from lit_dist.runtime import warm_ranks
 
     if not early:  # a zygote would inherit the early server's handle, which its ranks must not share
-        warm_ranks.prepare(argv)
+        warm_ranks.prepare(argv, after_imports)
     after_imports(argv)
 
 

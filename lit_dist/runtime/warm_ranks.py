@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 from lit_dist.runtime.processes import parent_of
 
@@ -62,9 +63,10 @@ class Zygote:
         return pid
 
 
-def prepare(argv: list[str]) -> bool:
+def prepare(argv: list[str], run: Callable[[list[str]], None]) -> bool:
     """In the ``lit-dist`` command, right after its imports: make the zygote if this command may start local ranks
-    itself (it is not one of several processes a launcher started) and nothing else runs yet. True if made."""
+    itself (it is not one of several processes a launcher started) and nothing else runs yet. Each rank it forks
+    calls ``run`` with its arguments (the command's code after its imports). True if made."""
     global _ZYGOTE
     if _ZYGOTE is not None or not sys.platform.startswith("linux") or threading.active_count() != 1:
         return False
@@ -85,7 +87,7 @@ def prepare(argv: list[str]) -> bool:
         return False
     if pid == 0:
         parent_end.close()
-        _serve(zygote_end, os.getppid())  # never returns
+        _serve(zygote_end, os.getppid(), run)  # never returns
     zygote_end.close()
     _ZYGOTE = Zygote(pid, parent_end, sys.argv[0])
     return True
@@ -168,7 +170,7 @@ class WarmRank:
 
 # -- the zygote ---------------------------------------------------------------------------------------------------
 
-def _serve(sock: socket.socket, parent: int) -> None:
+def _serve(sock: socket.socket, parent: int, run: Callable[[list[str]], None]) -> None:
     """The zygote's loop: one rank per request, until rank 0 closes the socket or ends; never returns."""
     from lit_dist.runtime.processes import die_with_parent
     from lit_dist.runtime.slurm import STOP_SIGNALS
@@ -184,7 +186,7 @@ def _serve(sock: socket.socket, parent: int) -> None:
             except EOFError:
                 break  # rank 0 is done starting ranks, or gone
             args, env, cwd = pickle.loads(_receive(sock, size))
-            sock.sendall(struct.pack("!i", _fork_rank(args, env, cwd, sock)))
+            sock.sendall(struct.pack("!i", _fork_rank(run, args, env, cwd, sock)))
     except BaseException as exc:  # noqa: BLE001 - one line, then the zygote ends: rank 0 falls back to new processes
         print(f"lit-dist: the local ranks' zygote of pid {parent} failed: {exc!r}", file=sys.stderr, flush=True)
         code = 1
@@ -192,7 +194,8 @@ def _serve(sock: socket.socket, parent: int) -> None:
         os._exit(code)
 
 
-def _fork_rank(args: list[str], env: dict, cwd: str | None, sock: socket.socket) -> int:
+def _fork_rank(run: Callable[[list[str]], None], args: list[str], env: dict, cwd: str | None,
+               sock: socket.socket) -> int:
     """Fork a middle process that forks the rank and exits at once (the rank is then handed to rank 0, the
     subreaper); the rank's pid, or minus an errno."""
     reader, writer = os.pipe()
@@ -211,7 +214,7 @@ def _fork_rank(args: list[str], env: dict, cwd: str | None, sock: socket.socket)
         if pid == 0:
             os.close(writer)
             sock.close()
-            _run_rank(args, env, cwd)  # never returns
+            _run_rank(run, args, env, cwd)  # never returns
         os.write(writer, struct.pack("!i", pid))
         os._exit(0)
     os.close(writer)
@@ -221,9 +224,9 @@ def _fork_rank(args: list[str], env: dict, cwd: str | None, sock: socket.socket)
     return struct.unpack("!i", answer)[0] if len(answer) == 4 else -1
 
 
-def _run_rank(args: list[str], env: dict, cwd: str | None) -> None:
-    """In a forked rank: become what ``python -m lit_dist ARGS`` started with ``env`` in ``cwd`` would be, run it
-    and exit as it would; never returns."""
+def _run_rank(run: Callable[[list[str]], None], args: list[str], env: dict, cwd: str | None) -> None:
+    """In a forked rank: become what ``python -m lit_dist ARGS`` started with ``env`` in ``cwd`` would be, call
+    ``run(ARGS)`` and exit as that interpreter would; never returns."""
     code = 1
     try:
         for name in ("SIGUSR1", "SIGTERM", "SIGINT"):  # the defaults a new interpreter has (SIGINT: Python's own)
@@ -236,17 +239,15 @@ def _run_rank(args: list[str], env: dict, cwd: str | None) -> None:
         from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
         rank_zero_only.rank = _get_rank() or 0  # read at import from the environment, which is this rank's now
-        code = _main()
+        code = _main(run, args)
     finally:
         _exit(code)
 
 
-def _main() -> int:
-    """``lit-dist``'s own main, as ``__main__.py`` runs it after the imports; its exit code."""
-    from lit_dist.__main__ import after_imports
-
+def _main(run: Callable[[list[str]], None], args: list[str]) -> int:
+    """``run(args)``'s exit code, as an interpreter running it as its main would end with."""
     try:
-        after_imports(sys.argv[1:])
+        run(args)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - a bug: its traceback, as a new interpreter would print it, then exit 1

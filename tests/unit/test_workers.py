@@ -220,17 +220,24 @@ def test_a_process_exits_with_a_loader_still_alive(tmp_path, start):
 
 
 _HANDOVER = """
-import os, sys
+import os, sys, threading
 from multiprocessing import connection, process, resource_sharer
 from lit_dist.reading.workers import QuietWorkerInit
 if sys.argv[1] == "quiet":
     QuietWorkerInit()(0)
-for _ in range(20):  # the receiver asks for the descriptor, then dies before it arrives
+for _ in range(3):  # the receiver asks for the descriptor, then dies before it arrives
     read, write = os.pipe()
     address, key = resource_sharer.DupFd(read)._id
+    gone = threading.Event()
+    send, close = resource_sharer._resource_sharer._cache[key]
+    def send_once_gone(conn, pid, send=send, gone=gone):  # the order a dying receiver makes, every time
+        gone.wait(10)
+        send(conn, pid)
+    resource_sharer._resource_sharer._cache[key] = (send_once_gone, close)
     asking = connection.Client(address, authkey=process.current_process().authkey)
     asking.send((key, os.getpid()))
     asking.close()
+    gone.set()
     os.close(write)
 resource_sharer.stop(timeout=5)
 print("handed over", file=sys.stderr)
