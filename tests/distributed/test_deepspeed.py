@@ -25,14 +25,14 @@ AVERAGED = PRESETS  # model.ema: a whole average per rank under ZeRO-1/2, its pa
 KILL, END, EVERY = 6, 8, 4  # ~25 steps per epoch at a global batch of 16: all mid-epoch
 
 
-def fit(tmp_path, demo_data, preset, run_id, *extra):
+def fit(tmp_path, demo_data, preset, run_id, *extra, env=None):
     args = quickstart_args(tmp_path, demo_data, CONFIGS / f"deepspeed_{preset}.yaml", trainer__devices=2,
                            trainer__accelerator="cpu", data__batch_size_per_device=8, data__num_workers=0,
                            trainer__max_steps=END, trainer__val_check_interval=4, trainer__limit_val_batches=2,
                            trainer__enable_progress_bar=False, checkpoint__every_n_steps=EVERY,
                            checkpoint__every_n_epochs=None, run__run_id=run_id)
     ema = ["--model.ema.decay", "0.9", "--model.ema.start_step", "3"] if preset in AVERAGED else []
-    return lit_dist("fit", *args, *ema, *extra, timeout=300), tmp_path / "quickstart" / run_id
+    return lit_dist("fit", *args, *ema, *extra, timeout=300, env=env), tmp_path / "quickstart" / run_id
 
 
 def plain_net(state: dict) -> SimpleCNN:
@@ -160,6 +160,28 @@ def test_a_deepspeed_json_that_disagrees_with_the_run_is_refused_before_any_proc
     assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-3000:]
     assert "train_micro_batch_size_per_gpu = 4 but the run says 8 (data.batch_size_per_device)" in out.stderr
     assert "gradient_accumulation_steps = 1: remove it from the JSON" in out.stderr
+    assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
+
+
+_FAILING_CXX = """#!/bin/sh
+for arg in "$@"; do  # compiling fails as a broken toolchain does; --version and the ABI check pass
+  if [ "$arg" = "-c" ]; then echo "planted.cpp:1:1: error: the planted compiler refuses to build" >&2; exit 1; fi
+done
+exec c++ "$@"
+"""
+
+
+def test_a_cpu_operator_that_does_not_compile_is_one_line_before_any_process_starts(tmp_path, demo_data):
+    cxx = tmp_path / "bin" / "c++"
+    cxx.parent.mkdir()
+    cxx.write_text(_FAILING_CXX)
+    cxx.chmod(0o755)
+    out, _ = fit(tmp_path, demo_data, "zero2", "no-compiler", env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ops"),
+                                                                    "CXX": str(cxx)})
+    assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-3000:]
+    assert "lit-dist: building DeepSpeed's CPU operators deepspeed_shm_comm for this machine, once" in out.stdout
+    assert out.stderr.count("building DeepSpeed's CPU operator deepspeed_shm_comm failed: planted.cpp:1:1: error: "
+                            "the planted compiler refuses to build. ") == 1, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
 
 
