@@ -4,6 +4,7 @@
 """
 
 import json
+import os
 import sys
 import time
 
@@ -44,8 +45,11 @@ def main(steps: int, num_samples: int = 32768, warmup: int = 20) -> None:
     elapsed = time.perf_counter() - start
     if rank == 0:
         print("BENCH " + json.dumps({"first_step_at": first, "steps_per_s": (steps - warmup) / elapsed}), flush=True)
-    dist.barrier()  # both ranks done before either tears the group down
-    dist.destroy_process_group()
+    dist.barrier()  # both ranks done before either leaves
+    # No teardown: the figure is taken. Freeing DDP's reducer and gloo's group at exit deadlocked in torch now and
+    # then (the main thread, holding the GIL, joined gloo's loop, which waited for the GIL), and the benchmark hung.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

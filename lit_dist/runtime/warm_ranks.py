@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from lit_dist.runtime.processes import parent_of
 
