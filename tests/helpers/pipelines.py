@@ -38,15 +38,15 @@ def save_pipeline(family: str, folder: Path, seed: int = 0) -> Path:
 
 
 def _sd15(scratch: Path):
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel
 
     unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4,
                                 out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                                 up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32,
                                 attention_head_dim=4, norm_num_groups=4)
-    text_encoder = CLIPTextModel(_clip_config(CLIPTextConfig, hidden_size=32))
-    return StableDiffusionPipeline(vae=_vae(AutoencoderKL), text_encoder=text_encoder,
+    text_encoder = CLIPTextModel(_clip_config(hidden_size=32))
+    return StableDiffusionPipeline(vae=_vae(), text_encoder=text_encoder,
                                    tokenizer=_clip_tokenizer(scratch / "clip"), unet=unet,
                                    scheduler=DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085,
                                                            beta_end=0.012, num_train_timesteps=1000),
@@ -55,12 +55,11 @@ def _sd15(scratch: Path):
 
 def _sdxl(scratch: Path):
     from diffusers import (
-        AutoencoderKL,
         EulerDiscreteScheduler,
         StableDiffusionXLPipeline,
         UNet2DConditionModel,
     )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     # cross_attention_dim = 16 + 32 (the two encoders' penultimate states, concatenated); the added embedding
     # takes the second encoder's pooled projection (32) and six time ids of 8 each: 32 + 48 = 80.
@@ -73,8 +72,8 @@ def _sdxl(scratch: Path):
                                 norm_num_groups=4)
     tokenizer = _clip_tokenizer(scratch / "clip")
     return StableDiffusionXLPipeline(
-        vae=_vae(AutoencoderKL), text_encoder=CLIPTextModel(_clip_config(CLIPTextConfig, hidden_size=16)),
-        text_encoder_2=CLIPTextModelWithProjection(_clip_config(CLIPTextConfig, hidden_size=32, projection_dim=32)),
+        vae=_vae(), text_encoder=CLIPTextModel(_clip_config(hidden_size=16)),
+        text_encoder_2=CLIPTextModelWithProjection(_clip_config(hidden_size=32, projection_dim=32)),
         tokenizer=tokenizer, tokenizer_2=tokenizer, unet=unet,
         scheduler=EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
                                          timestep_spacing="leading", steps_offset=1))
@@ -82,12 +81,11 @@ def _sdxl(scratch: Path):
 
 def _sd3(scratch: Path):
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import CLIPTextModelWithProjection
 
     # joint_attention_dim: the CLIP states (16 + 16, padded to the T5's width) and the T5's (32) share it;
     # pooled_projection_dim: the two CLIP pooled projections, concatenated (16 + 16).
@@ -96,16 +94,16 @@ def _sd3(scratch: Path):
                                         joint_attention_dim=32, pooled_projection_dim=32, out_channels=4)
     clip = _clip_tokenizer(scratch / "clip")
     return StableDiffusion3Pipeline(
-        transformer=transformer, vae=_vae(AutoencoderKL, shift_factor=0.0609),
-        text_encoder=CLIPTextModelWithProjection(_clip_config(CLIPTextConfig, hidden_size=16, projection_dim=16)),
-        text_encoder_2=CLIPTextModelWithProjection(_clip_config(CLIPTextConfig, hidden_size=16, projection_dim=16)),
-        text_encoder_3=T5EncoderModel(_t5_config(T5Config)), tokenizer=clip, tokenizer_2=clip,
+        transformer=transformer, vae=_vae(shift_factor=0.0609),
+        text_encoder=CLIPTextModelWithProjection(_clip_config(hidden_size=16, projection_dim=16)),
+        text_encoder_2=CLIPTextModelWithProjection(_clip_config(hidden_size=16, projection_dim=16)),
+        text_encoder_3=_t5_encoder(), tokenizer=clip, tokenizer_2=clip,
         tokenizer_3=_t5_tokenizer(scratch / "t5"), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
 
 
 def _flux(scratch: Path):
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
 
     # Flux packs 2 x 2 latent patches: in_channels = 4 x the VAE's latent channels. The guidance embedding marks a
     # guidance-distilled model (Flux.1-dev); axes_dims_rope sums to attention_head_dim.
@@ -113,9 +111,9 @@ def _flux(scratch: Path):
                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                          pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
     return FluxPipeline(
-        transformer=transformer, vae=_vae(AutoencoderKL, shift_factor=0.1159, scaling_factor=0.3611),
-        text_encoder=CLIPTextModel(_clip_config(CLIPTextConfig, hidden_size=32)),
-        text_encoder_2=T5EncoderModel(_t5_config(T5Config)), tokenizer=_clip_tokenizer(scratch / "clip"),
+        transformer=transformer, vae=_vae(shift_factor=0.1159, scaling_factor=0.3611),
+        text_encoder=CLIPTextModel(_clip_config(hidden_size=32)),
+        text_encoder_2=_t5_encoder(), tokenizer=_clip_tokenizer(scratch / "clip"),
         tokenizer_2=_t5_tokenizer(scratch / "t5"),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                                                   max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096))
@@ -123,12 +121,10 @@ def _flux(scratch: Path):
 
 def _pixart(scratch: Path):
     from diffusers import (
-        AutoencoderKL,
         DPMSolverMultistepScheduler,
         PixArtSigmaPipeline,
         PixArtTransformer2DModel,
     )
-    from transformers import T5Config, T5EncoderModel
 
     transformer = PixArtTransformer2DModel(sample_size=8, num_layers=1, patch_size=2, attention_head_dim=8,
                                            num_attention_heads=2, caption_channels=32, in_channels=4,
@@ -136,29 +132,36 @@ def _pixart(scratch: Path):
                                            activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
                                            norm_type="ada_norm_single", norm_elementwise_affine=False,
                                            norm_eps=1e-6, use_additional_conditions=False)
-    return PixArtSigmaPipeline(transformer=transformer, vae=_vae(AutoencoderKL),
-                               text_encoder=T5EncoderModel(_t5_config(T5Config)),
+    return PixArtSigmaPipeline(transformer=transformer, vae=_vae(),
+                               text_encoder=_t5_encoder(),
                                tokenizer=_t5_tokenizer(scratch / "t5"), scheduler=DPMSolverMultistepScheduler())
 
 
-def _vae(AutoencoderKL, **config):
+def _vae(**config):
     """Four latent channels at 1/2 the image's side (one downsampling)."""
+    from diffusers import AutoencoderKL
+
     return AutoencoderKL(block_out_channels=(8, 8), in_channels=3, out_channels=3, latent_channels=4,
                          down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
                          up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), norm_num_groups=4,
                          sample_size=16, **config)
 
 
-def _clip_config(CLIPTextConfig, hidden_size: int, projection_dim: int | None = None):
+def _clip_config(hidden_size: int, projection_dim: int | None = None):
+    from transformers import CLIPTextConfig
+
     return CLIPTextConfig(bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_size=hidden_size,
                           intermediate_size=2 * hidden_size, num_attention_heads=2, num_hidden_layers=2,
                           vocab_size=len(_clip_vocab()), max_position_embeddings=77, hidden_act="gelu",
                           projection_dim=projection_dim or hidden_size, layer_norm_eps=1e-5)
 
 
-def _t5_config(T5Config):
-    return T5Config(vocab_size=len(_t5_pieces()) + 100, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-                    relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+def _t5_encoder():
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(vocab_size=len(_t5_pieces()) + 100, d_model=32, d_kv=8, d_ff=37, num_layers=2,
+                                   num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0,
+                                   pad_token_id=0, eos_token_id=1))
 
 
 def _bytes_to_unicode() -> dict[int, str]:
