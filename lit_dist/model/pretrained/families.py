@@ -1,0 +1,76 @@
+"""Which diffusers pipeline a folder holds: its family, from ``model_index.json``.
+
+A pipeline folder is what ``DiffusionPipeline.save_pretrained`` writes and what a hub download holds:
+``model_index.json`` naming the pipeline class and each component's (library, class), and one subfolder per
+component (``unet/`` or ``transformer/``, ``vae/``, ``text_encoder*/``, ``tokenizer*/``, ``scheduler/``). The
+family decides how lit-dist calls the denoiser and what the caption cache holds for it.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from lit_dist.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Family:
+    """What lit-dist knows of one family of pipelines."""
+
+    name: str
+    pipelines: tuple[str, ...]  # model_index.json's _class_name of each pipeline of the family
+    denoiser: str  # the subfolder of the trained part
+    text_encoders: tuple[str, ...]  # the subfolders of its text encoders, in the pipeline's order
+    flow: bool  # trained with flow matching (else a DDPM noise schedule)
+
+
+FAMILIES = (
+    Family("sd15", ("StableDiffusionPipeline",), "unet", ("text_encoder",), flow=False),
+    Family("sdxl", ("StableDiffusionXLPipeline",), "unet", ("text_encoder", "text_encoder_2"), flow=False),
+    Family("sd3", ("StableDiffusion3Pipeline",), "transformer", ("text_encoder", "text_encoder_2", "text_encoder_3"),
+           flow=True),
+    Family("flux", ("FluxPipeline",), "transformer", ("text_encoder", "text_encoder_2"), flow=True),
+    Family("pixart", ("PixArtAlphaPipeline", "PixArtSigmaPipeline"), "transformer", ("text_encoder",), flow=False),
+)
+
+
+@dataclass(frozen=True)
+class PipelineFolder:
+    """A pipeline folder on disk, its family and its ``model_index.json``."""
+
+    path: Path
+    family: Family
+    index: dict
+
+    def component_class(self, name: str) -> str:
+        """The class name ``model_index.json`` gives component ``name`` (e.g. ``UNet2DConditionModel``)."""
+        return self.index[name][1]
+
+
+def read_folder(path: str | Path, field: str = "model.net.init_args.pipeline") -> PipelineFolder:
+    """The pipeline folder at ``path`` and its family; a ConfigError (exit 2) naming ``field`` for a path that is no
+    pipeline folder or a pipeline of a family lit-dist does not know."""
+    folder = Path(path).expanduser()
+    index_path = folder / "model_index.json"
+    if not index_path.is_file():
+        what = "is not a folder" if not folder.is_dir() else "has no model_index.json"
+        raise ConfigError(f"{field} = {str(path)!r} {what}: name a diffusers pipeline folder (what "
+                          "DiffusionPipeline.save_pretrained writes, or a downloaded one: huggingface-cli download "
+                          "REPO_ID --local-dir FOLDER)")
+    try:
+        index = json.loads(index_path.read_text())
+        class_name = index["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{field}: {index_path} is not a pipeline's model_index.json ({exc!r})") from exc
+    for family in FAMILIES:
+        if class_name in family.pipelines:
+            missing = [name for name in (family.denoiser, *family.text_encoders, "vae", "scheduler")
+                       if not isinstance(index.get(name), list) or index[name][0] is None or not (folder / name).is_dir()]
+            if missing:
+                raise ConfigError(f"{field} = {str(path)!r}: a {class_name} folder without {', '.join(missing)}: "
+                                  "lit-dist needs every component of the pipeline (download the whole folder)")
+            return PipelineFolder(folder, family, index)
+    found = sorted({v[1] for v in index.values() if isinstance(v, list) and len(v) == 2 and v[1]})
+    known = ", ".join(f"{f.name} ({' or '.join(f.pipelines)})" for f in FAMILIES)
+    raise ConfigError(f"{field} = {str(path)!r} holds a {class_name} (components: {', '.join(found)}): lit-dist "
+                      f"fine-tunes the families {known}")
