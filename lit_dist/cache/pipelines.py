@@ -3,7 +3,8 @@
 A pipeline folder is what ``DiffusionPipeline.save_pretrained`` writes and what a hub download holds:
 ``model_index.json`` naming the pipeline class and each component's (library, class), and one subfolder per
 component (``unet/`` or ``transformer/``, ``vae/``, ``text_encoder*/``, ``tokenizer*/``, ``scheduler/``). The
-family decides how lit-dist calls the denoiser and what the caption cache holds for it.
+family decides how lit-dist calls the denoiser (lit_dist/model/nets/pipeline.py) and what the caches build with
+the pipeline's own encoders; it sits here, in the caches' band, so that both can read it.
 """
 
 import json

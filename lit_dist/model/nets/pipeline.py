@@ -8,7 +8,7 @@ against the pipeline itself in tests/unit/test_pipeline_denoiser.py), so weights
 
     model:
       net:
-        class_path: lit_dist.model.pretrained.denoiser.PipelineDenoiser
+        class_path: lit_dist.model.nets.pipeline.PipelineDenoiser
         init_args: {pipeline: /models/stable-diffusion-xl-base-1.0}
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
-from lit_dist.model.pretrained.families import read_folder
+from lit_dist.cache.pipelines import read_folder
 from lit_dist.runtime.extras import require
 
 # The condition each family's denoiser takes, by key: the caption cache's fields, and for SDXL the size and crop
