@@ -10,9 +10,9 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+from lit_dist.cache.pipelines import read_folder  # noqa: E402
 from lit_dist.errors import ConfigError  # noqa: E402
 from lit_dist.model.nets.pipeline import PipelineDenoiser  # noqa: E402
-from lit_dist.cache.pipelines import read_folder  # noqa: E402
 from tests.helpers.pipelines import FAMILIES, save_pipeline  # noqa: E402
 
 PROMPT = "a red circle on a white background"

@@ -15,8 +15,8 @@ against the pipeline itself in tests/unit/test_pipeline_denoiser.py), so weights
 import torch
 from torch import nn
 
-from lit_dist.errors import ConfigError
 from lit_dist.cache.pipelines import read_folder
+from lit_dist.errors import ConfigError
 from lit_dist.runtime.extras import require
 
 # The condition each family's denoiser takes, by key: the caption cache's fields, and for SDXL the size and crop
