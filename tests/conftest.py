@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -23,6 +24,8 @@ compat.plain_console()
 pytest.register_assert_rewrite("tests.helpers")
 
 from tests.helpers.processes import left_after, session_processes  # noqa: E402
+from tests.helpers.zygote import SWITCH_ENV as ZYGOTE_SWITCH  # noqa: E402
+from tests.helpers.zygote import Zygote  # noqa: E402
 
 RUN_TAG_ENV = "LIT_DIST_TEST_RUN"  # in the environment of every process a test's run starts
 LEFT_BOUND_S = 10.0  # docs/slurm.md, "A rank that hangs": every process of a run is gone this long after the job exits
@@ -71,16 +74,23 @@ def run_module(module: str, *args: str, cwd: Path | None = None, timeout: float 
                launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """``python -m module args`` (``lit_dist``, a benchmark) as a user runs it; on a hang, the stacks of its
     processes; fails the test if any of them outlives it."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}
-    clean["PYTHONFAULTHANDLER"] = "1"  # a process killed by SIGABRT first writes every thread's stack
+    clean = _run_env()
     # Every process of the run carries the tag, also those a launcher starts in sessions of their own (torchrun).
     tag = (RUN_TAG_ENV, uuid.uuid4().hex)
     clean[tag[0]] = tag[1]
     clean.update(env or {})
     name = "lit-dist" if module == "lit_dist" else module
+    zygote = warm_process()
+    if zygote is not None and zygote.can_run(clean, launcher):  # a fork of this session's warm process: the same run without its 4 s of import
+        pid, code, stdout, stderr, hung = zygote.run(module, list(args), clean, str(cwd or REPO), timeout,
+                                                     lambda pid, sig: _signal_run(pid, tag, sig))
+        if hung:
+            pytest.fail(f"`{name} {' '.join(args)}` hung for {timeout} s; the stacks of its processes:\n{stderr[-20000:]}")
+        done = subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, stdout, stderr)
+        return _no_leftovers(done, pid, name, args, tag)
     # Its own session: on a hang, every process of the run (ranks, loader workers) can be reached at once.
     proc = subprocess.Popen([*(launcher or [sys.executable]), "-m", module, *args], cwd=cwd or REPO, env=clean, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -91,12 +101,44 @@ def run_module(module: str, *args: str, cwd: Path | None = None, timeout: float 
             _signal_run(proc.pid, tag, signal.SIGKILL)
             stdout, stderr = proc.communicate()
         pytest.fail(f"`{name} {' '.join(args)}` hung for {timeout} s; the stacks of its processes:\n{stderr[-20000:]}")
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    done.pid = proc.pid  # its session's id: tests.helpers.processes finds what the run left behind by it
-    if left := left_after(proc.pid, LEFT_BOUND_S, tag):  # whatever the exit, nothing of the run may remain
-        pytest.fail(f"`{name} {' '.join(args)}` exited {proc.returncode} and left {len(left)} processes "
-                    f"{LEFT_BOUND_S:.0f} s later: {left}\n{stderr[-3000:]}")
+    return _no_leftovers(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), proc.pid, name, args, tag)
+
+
+def _run_env() -> dict:
+    """This process's environment as a run started by a test gets it (then its tag and the test's ``env``)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}
+    clean["PYTHONFAULTHANDLER"] = "1"  # a process killed by SIGABRT first writes every thread's stack
+    return clean
+
+
+def _no_leftovers(done: subprocess.CompletedProcess, pid: int, name: str, args, tag) -> subprocess.CompletedProcess:
+    done.pid = pid  # its session's id: tests.helpers.processes finds what the run left behind by it
+    if left := left_after(pid, LEFT_BOUND_S, tag):  # whatever the exit, nothing of the run may remain
+        pytest.fail(f"`{name} {' '.join(args)}` exited {done.returncode} and left {len(left)} processes "
+                    f"{LEFT_BOUND_S:.0f} s later: {left}\n{done.stderr[-3000:]}")
     return done
+
+
+_ZYGOTE: list = []  # this pytest process's warm process (tests/helpers/zygote.py), once started; None if it failed
+
+
+def warm_process() -> Zygote | None:
+    """This pytest process's warm process (started on first use, with this process's environment as a run gets
+    it), or None where there is none: runs start as new interpreters."""
+    if not _ZYGOTE:
+        if threading.current_thread() is not threading.main_thread():
+            return None  # its parent must be a thread that lasts: it dies with the one that started it
+        env = _run_env()
+        try:
+            _ZYGOTE.append(Zygote(env) if env.get(ZYGOTE_SWITCH, "1") != "0" else None)
+        except OSError:
+            _ZYGOTE.append(None)
+    return _ZYGOTE[0]
+
+
+def pytest_unconfigure(config):
+    if _ZYGOTE and _ZYGOTE[0] is not None:
+        _ZYGOTE[0].close()
 
 
 def _signal_run(sid: int, tag: tuple[str, str], sig: int) -> None:

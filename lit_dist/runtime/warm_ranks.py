@@ -214,7 +214,7 @@ def _fork_rank(run: Callable[[list[str]], None], args: list[str], env: dict, cwd
         if pid == 0:
             os.close(writer)
             sock.close()
-            _run_rank(run, args, env, cwd)  # never returns
+            run_as_command(run, args, env, cwd)  # never returns
         os.write(writer, struct.pack("!i", pid))
         os._exit(0)
     os.close(writer)
@@ -224,9 +224,10 @@ def _fork_rank(run: Callable[[list[str]], None], args: list[str], env: dict, cwd
     return struct.unpack("!i", answer)[0] if len(answer) == 4 else -1
 
 
-def _run_rank(run: Callable[[list[str]], None], args: list[str], env: dict, cwd: str | None) -> None:
-    """In a forked rank: become what ``python -m lit_dist ARGS`` started with ``env`` in ``cwd`` would be, call
-    ``run(ARGS)`` and exit as that interpreter would; never returns."""
+def run_as_command(run: Callable[[list[str]], None], args: list[str], env: dict, cwd: str | None) -> None:
+    """In a process forked from a warm one (a rank here; a test's run in tests/helpers/zygote.py): become what
+    ``python -m lit_dist ARGS`` started with ``env`` in ``cwd`` would be, call ``run(ARGS)`` and exit as that
+    interpreter would; never returns."""
     code = 1
     try:
         for name in ("SIGUSR1", "SIGTERM", "SIGINT"):  # the defaults a new interpreter has (SIGINT: Python's own)
