@@ -196,3 +196,78 @@ class TextEncoder(nn.Module):
         device = next(self.model.parameters()).device
         out = self.model(input_ids=tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device))
         return out.last_hidden_state  # (B, max_length, width)
+
+
+# The T5 tokens per caption each family's pipeline uses by default (its ``max_sequence_length``); CLIP's are always
+# its tokenizer's 77.
+T5_TOKENS = {"sd3": 256, "flux": 512, "pixart": 300}
+
+
+class PipelineTextEncoder(nn.Module):
+    """A diffusers pipeline folder's own tokenizers and text encoders, as its pipeline encodes a prompt: captions ->
+    the family's condition (lit_dist.model.nets.pipeline.CONDITION), a dict of (B, ...) tensors: ``hidden`` (the
+    token states the denoiser attends to), ``pooled`` (SDXL, SD3, Flux) and ``mask`` (PixArt's T5 tokens)."""
+
+    def __init__(self, pipeline: str, max_length: int | None = None):
+        """Load the folder's text encoders.
+
+        Args:
+            pipeline: A diffusers pipeline folder (SD 1.5/2.x, SDXL, SD3, Flux, PixArt): its text_encoder*/ and tokenizer*/.
+            max_length: T5 tokens per caption (SD3, Flux, PixArt); default: the pipeline's (256, 512, 300).
+        """
+        super().__init__()
+        require("transformers", "data.cache.caption_encoder PipelineTextEncoder")
+        import transformers
+
+        from lit_dist.cache.pipelines import read_folder
+
+        folder = read_folder(pipeline, "data.cache.caption_encoder.init_args.pipeline")
+        self.family = folder.family.name
+        self.encoders = nn.ModuleList()
+        self.tokenizers = []
+        for name in folder.family.text_encoders:
+            library, class_name = folder.index[name]
+            model_class = getattr(transformers, class_name, None) if library == "transformers" else None
+            if model_class is None:
+                raise ConfigError(f"data.cache.caption_encoder.init_args.pipeline = {pipeline!r}: its {name} is a "
+                                  f"{library}.{class_name}, which this transformers ({transformers.__version__}) has no "
+                                  "class for")
+            self.encoders.append(model_class.from_pretrained(folder.path, subfolder=name))
+            self.tokenizers.append(transformers.AutoTokenizer.from_pretrained(folder.path,
+                                                                              subfolder=name.replace("text_encoder", "tokenizer")))
+        if max_length is not None and max_length < 1:
+            raise ConfigError(f"data.cache.caption_encoder.init_args.max_length = {max_length}: must be at least 1")
+        self.max_length = max_length or T5_TOKENS.get(self.family)
+
+    def _tokens(self, i: int, texts: list[str], max_length: int | None = None) -> dict:
+        tokenizer = self.tokenizers[i]
+        device = next(self.encoders[i].parameters()).device
+        tokens = tokenizer(texts, padding="max_length", max_length=max_length or tokenizer.model_max_length,
+                           truncation=True, return_tensors="pt")
+        return {k: v.to(device) for k, v in tokens.items()}
+
+    def _clip(self, i: int, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(penultimate hidden states, pooled output) of CLIP ``i``, as SDXL and SD3 take them."""
+        out = self.encoders[i](self._tokens(i, texts)["input_ids"], output_hidden_states=True)
+        return out.hidden_states[-2], out[0]
+
+    def forward(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        texts = list(texts)
+        if self.family == "sd15":
+            return {"hidden": self.encoders[0](self._tokens(0, texts)["input_ids"])[0]}
+        if self.family == "sdxl":
+            (first, _), (second, pooled) = self._clip(0, texts), self._clip(1, texts)
+            return {"hidden": torch.cat([first, second], dim=-1), "pooled": pooled}
+        if self.family == "sd3":
+            (first, pooled_1), (second, pooled_2) = self._clip(0, texts), self._clip(1, texts)
+            t5 = self.encoders[2](self._tokens(2, texts, self.max_length)["input_ids"])[0]
+            clip = torch.cat([first, second], dim=-1)
+            clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+            return {"hidden": torch.cat([clip, t5], dim=-2), "pooled": torch.cat([pooled_1, pooled_2], dim=-1)}
+        if self.family == "flux":
+            pooled = self.encoders[0](self._tokens(0, texts)["input_ids"], output_hidden_states=False).pooler_output
+            return {"hidden": self.encoders[1](self._tokens(1, texts, self.max_length)["input_ids"])[0], "pooled": pooled}
+        # PixArt lowercases a caption before its T5 sees it (its pipeline's clean_caption=False path).
+        tokens = self._tokens(0, [t.lower().strip() for t in texts], self.max_length)
+        hidden = self.encoders[0](tokens["input_ids"], attention_mask=tokens["attention_mask"])[0]
+        return {"hidden": hidden, "mask": tokens["attention_mask"]}
