@@ -34,6 +34,10 @@ CONFIGS = REPO / "configs"
 
 
 def pytest_collection_modifyitems(items):
+    # The modules that hold a slow test first, each module's tests together (its fixtures are made once): tests
+    # run in this order three at a time (.ci/test), and a three-minute test that starts last ends the run late.
+    slow = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow)
     tiers = {"distributed", "slurm", "s3", "gpu", "process"}
     for item in items:
         tier = tiers & set(item.keywords)
