@@ -34,7 +34,9 @@ def _rank_pid(run_id: str, rank: int) -> int | None:
 
 def test_preflight_measures_every_rank_and_node_and_names_a_starved_rank(slurm_nodes, tmp_path, demo_data):
     env, _ = slurm_nodes
-    proc = _preflight(env, tmp_path, demo_data, "even", "--preflight.min_fraction", "0.2")
+    # Three ranks share two cores here, and reading the demo's small files is CPU work: a rank descheduled for part
+    # of its one-second window once read 0.17 x the median (a clean-clone CI run). Nothing is starved in this run.
+    proc = _preflight(env, tmp_path, demo_data, "even", "--preflight.min_fraction", "0.1")
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert "lit-dist preflight: 3 ranks on 3 nodes" in out, out[-2000:]
