@@ -226,13 +226,7 @@ class PipelineTextEncoder(nn.Module):
         self.encoders = nn.ModuleList()
         self.tokenizers = []
         for name in folder.family.text_encoders:
-            library, class_name = folder.index[name]
-            model_class = getattr(transformers, class_name, None) if library == "transformers" else None
-            if model_class is None:
-                raise ConfigError(f"data.cache.caption_encoder.init_args.pipeline = {pipeline!r}: its {name} is a "
-                                  f"{library}.{class_name}, which this transformers ({transformers.__version__}) has no "
-                                  "class for")
-            self.encoders.append(model_class.from_pretrained(folder.path, subfolder=name))
+            self.encoders.append(folder.load(name, "data.cache.caption_encoder.init_args.pipeline"))
             self.tokenizers.append(transformers.AutoTokenizer.from_pretrained(folder.path,
                                                                               subfolder=name.replace("text_encoder", "tokenizer")))
         if max_length is not None and max_length < 1:

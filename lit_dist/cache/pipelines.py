@@ -43,9 +43,18 @@ class PipelineFolder:
     family: Family
     index: dict
 
-    def component_class(self, name: str) -> str:
-        """The class name ``model_index.json`` gives component ``name`` (e.g. ``UNet2DConditionModel``)."""
-        return self.index[name][1]
+    def load(self, name: str, field: str):
+        """Component ``name`` (``unet``, ``text_encoder_2``, ...) loaded from its subfolder with the class
+        ``model_index.json`` names for it; a ConfigError naming ``field`` if that class does not import here."""
+        import importlib
+
+        library, class_name = self.index[name]
+        try:
+            model_class = getattr(importlib.import_module(library), class_name)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"{field} = {str(self.path)!r}: its {name} is a {library}.{class_name}, which does not "
+                              f"import here ({exc}): update {library}") from exc
+        return model_class.from_pretrained(self.path, subfolder=name)
 
 
 def read_folder(path: str | Path, field: str = "model.net.init_args.pipeline") -> PipelineFolder:

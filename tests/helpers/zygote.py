@@ -141,12 +141,9 @@ def _text(data: bytes) -> str:
 
 
 def _receive(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise EOFError("the tests' warm process ended")
-        data += chunk
+    data = sock.recv(size, socket.MSG_WAITALL)
+    if len(data) < size:
+        raise EOFError("the tests' warm process ended")
     return data
 
 

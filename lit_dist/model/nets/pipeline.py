@@ -12,6 +12,8 @@ against the pipeline itself in tests/unit/test_pipeline_denoiser.py), so weights
         init_args: {pipeline: /models/stable-diffusion-xl-base-1.0}
 """
 
+import json
+
 import torch
 from torch import nn
 
@@ -43,16 +45,12 @@ class PipelineDenoiser(nn.Module):
         """
         super().__init__()
         require("diffusers", "model.net PipelineDenoiser")
-        import diffusers
-
         self.folder = read_folder(pipeline)
         self.family = self.folder.family.name
-        library, class_name = self.folder.index[self.folder.family.denoiser]
-        model_class = getattr(diffusers, class_name, None) if library == "diffusers" else None
-        if model_class is None:
-            raise ConfigError(f"model.net.init_args.pipeline = {pipeline!r}: its {self.folder.family.denoiser} is a "
-                              f"{library}.{class_name}, which this diffusers ({diffusers.__version__}) has no class for")
-        self.model = model_class.from_pretrained(self.folder.path, subfolder=self.folder.family.denoiser)
+        self.model = self.folder.load(self.folder.family.denoiser, "model.net.init_args.pipeline")
+        # Pixels per latent along a side, as the pipelines compute it: PixArt-alpha's size conditions are in pixels.
+        vae = json.loads((self.folder.path / "vae" / "config.json").read_text())
+        self.vae_scale = 2 ** (len(vae["block_out_channels"]) - 1)
         if gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
         self.guidance = guidance
@@ -107,15 +105,7 @@ class PipelineDenoiser(nn.Module):
         """PixArt-alpha at 1024 px conditions on the image's size and aspect ratio; the other models take none."""
         if not getattr(self.model, "use_additional_conditions", False):
             return {"resolution": None, "aspect_ratio": None}
-        scale = self._vae_scale()
-        h, w = x.shape[-2] * scale, x.shape[-1] * scale
+        h, w = x.shape[-2] * self.vae_scale, x.shape[-1] * self.vae_scale
         b = x.shape[0]
         return {"resolution": torch.tensor([[h, w]], device=x.device, dtype=x.dtype).repeat(b, 1),
                 "aspect_ratio": torch.tensor([[h / w]], device=x.device, dtype=x.dtype).repeat(b, 1)}
-
-    def _vae_scale(self) -> int:
-        """Pixels per latent along a side: 2 ** (the VAE's levels - 1), as the pipelines compute it."""
-        import json
-
-        config = json.loads((self.folder.path / "vae" / "config.json").read_text())
-        return 2 ** (len(config["block_out_channels"]) - 1)
