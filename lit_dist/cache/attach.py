@@ -22,6 +22,7 @@ class Opened:
     views: list[dict]
     filler: object = None  # OnDemandFill, while entries are missing
     fill_keys: list | None = None  # FillKeys per dataset, for the loader workers
+    captions: object = None  # captions.Captions of a multi-field caption encoder: the batches' layout, the empty caption
 
 
 def plan_for(data, parts: list):
@@ -68,6 +69,7 @@ def open_views(data, parts: list, device: torch.device) -> Opened:
         if not plan.store.check():
             raise DataError(f"data.cache.dir = {cache.dir!r} holds no cache (data.cache.mode: read). Build it first: "
                             "`lit-dist cache --config <this config>`, or set data.cache.mode: build.")
+        plan.read_captions()
     found, coverage = plan.match()
     incomplete = [c for c in coverage.values() if c.missing]
     if incomplete:
@@ -79,7 +81,7 @@ def open_views(data, parts: list, device: torch.device) -> Opened:
                         "is missing with `lit-dist cache --config <this config>` (every rank of a job builds its "
                         "share), or set data.cache.mode: build.")
     rank_zero_info("lit-dist: reading " + "; ".join(c.summary() for c in coverage.values()) + f" from the cache {cache.dir}")
-    return Opened(plan.views(found))
+    return Opened(plan.views(found), captions=plan.captions)
 
 
 def _fill(plan, device: torch.device) -> Opened:

@@ -26,6 +26,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from lit_dist.cache.captions import Layout
 from lit_dist.cache.plan import CachePlan
 from lit_dist.cache.store import new_build_id
 from lit_dist.errors import ConfigError, Preempted
@@ -107,9 +108,11 @@ def prepare(plan: CachePlan, comm: Comm) -> None:
         for name in plan.fields:
             plan.store.publish(name)
             plan.store.record_config(name, plan.fingerprints[name], plan.descriptions[name])
+        plan.record_captions()
 
     comm.on_rank_zero(on_rank_zero, "preparing the cache")  # its error, if any, is raised on every rank
     plan.store.check()
+    plan.read_captions()
 
 
 def check_sources(plan: CachePlan, found: list[dict], comm: Comm) -> None:
@@ -273,9 +276,23 @@ class _Builder:
         self.outcome["samples"] += len(rows) - int(unreadable.sum())
 
     def _captions(self, texts: list[str]) -> list[np.ndarray]:
-        """Caption encoder outputs in the stored dtype; every batch must give the same shape per caption."""
+        """Caption encoder outputs in the stored dtype, a dict of fields as one vector per caption (cache/captions.py);
+        every batch must give the same shape per caption."""
         with torch.inference_mode():
             out = self.captioner(texts)
+        if isinstance(out, dict):
+            layout = self.plan.captions.layout if self.plan.captions is not None else None
+            got = Layout.of(out) if all(isinstance(v, torch.Tensor) for v in out.values()) else None
+            if layout is None:
+                raise ConfigError(f"data.cache.caption_encoder ({self.plan.config.caption_encoder['class_path']}) "
+                                  "returns a dict without saying what stands for no caption: give it a method "
+                                  "empty_caption() returning the same dict for one caption")
+            if got != layout or any(len(v) != len(texts) for v in out.values()):
+                shapes = {k: tuple(getattr(v, "shape", ())) for k, v in out.items()}
+                raise ConfigError(f"data.cache.caption_encoder returned {shapes} for {len(texts)} captions, and "
+                                  f"{layout.describe()} per caption for the empty caption: every batch must give the "
+                                  "same fields and shapes (pad to a fixed token count)")
+            out = layout.flatten(out)
         if not isinstance(out, torch.Tensor) or out.ndim < 1 or out.shape[0] != len(texts):
             raise ConfigError(f"data.cache.caption_encoder ({self.plan.config.caption_encoder['class_path']}) returned "
                               f"{type(out).__name__} {getattr(out, 'shape', '')} for {len(texts)} captions: it must "

@@ -46,17 +46,20 @@ def weights_sha256(module: nn.Module) -> str:
     for name, tensor in sorted(module.state_dict().items()):
         t = tensor.detach().cpu().contiguous()
         sha.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        sha.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        sha.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-dim: as 1-dim
     return sha.hexdigest()
 
 
 def description(spec: dict, module: nn.Module, dtype: str, field: str = "encoder", **inputs) -> dict:
-    """Everything that makes an encoder entry what it is; its fingerprint keys the entries."""
+    """Everything that makes an encoder entry what it is; its fingerprint keys the entries. The weights are named by
+    the module's ``weights_fingerprint()`` where it has one (loaded from a folder: its files, sampled), else by a
+    sha256 of every parameter and buffer."""
+    weights = module.weights_fingerprint() if hasattr(module, "weights_fingerprint") else None
     return {
         "field": field,
         "class_path": spec["class_path"],
         "init_args": json.loads(json.dumps(spec.get("init_args") or {}, sort_keys=True, default=str)),
-        "weights_sha256": weights_sha256(module),
+        **({"weights_files": weights} if weights else {"weights_sha256": weights_sha256(module)}),
         "dtype": dtype,
         "layout": "byte-shuffled",  # how the stored bytes are laid out: part of what an entry is
         "input": inputs,
@@ -64,7 +67,8 @@ def description(spec: dict, module: nn.Module, dtype: str, field: str = "encoder
 
 
 class VAEEncoder(nn.Module):
-    """Latents of diffusers' ``AutoencoderKL``: ``encode(x).latent_dist`` mean (or a sample) x scaling factor."""
+    """Latents of diffusers' ``AutoencoderKL``: (``encode(x).latent_dist`` mean (or a sample) - shift factor) x scaling
+    factor, as the pipelines that use it make them."""
 
     def __init__(self, pretrained: str | None = None, subfolder: str | None = None, config: dict | None = None,
                  output: Literal["mean", "sample"] = "mean", seed: int = 0):
@@ -92,6 +96,7 @@ class VAEEncoder(nn.Module):
         # Encoding needs the encoder half only; the decoder would double the memory and the weights hashed.
         self.vae.decoder, self.vae.post_quant_conv = None, None
         self.output, self.seed = output, seed
+        self.pretrained, self.subfolder = pretrained, subfolder
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) in [-1, 1]
         dist = self.vae.encode(x).latent_dist
@@ -99,12 +104,17 @@ class VAEEncoder(nn.Module):
             latents = dist.mean
         else:
             latents = dist.sample(torch.Generator(x.device).manual_seed(self.seed))
-        return latents * self.vae.config.scaling_factor  # (B, C, H / f, W / f)
+        # SD3's and Flux's VAEs centre their latents first (shift_factor); SD 1.5's and SDXL's have none.
+        return (latents - _shift(self.vae)) * self.vae.config.scaling_factor  # (B, C, H / f, W / f)
+
+    def weights_fingerprint(self) -> str | None:
+        """A VAE loaded from a local folder is named by its files (cache.pipelines.files_fingerprint); else None."""
+        return _folder_fingerprint(self.pretrained, self.subfolder)
 
 
 class VAEDecoder(nn.Module):
     """Images from latents that ``VAEEncoder`` with the same ``pretrained``/``subfolder``/``config``/``seed`` made:
-    ``decode(latents / scaling factor)``, normalised as the encoder's input was (data.mean, data.std)."""
+    ``decode(latents / scaling factor + shift factor)``, normalised as the encoder's input was (data.mean, data.std)."""
 
     def __init__(self, pretrained: str | None = None, subfolder: str | None = None, config: dict | None = None,
                  seed: int = 0):
@@ -126,7 +136,22 @@ class VAEDecoder(nn.Module):
         return self.vae.config.latent_channels, 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:  # (B, C, h, w) -> (B, 3, h x f, w x f)
-        return self.vae.decode(latents / self.vae.config.scaling_factor).sample
+        return self.vae.decode(latents / self.vae.config.scaling_factor + _shift(self.vae)).sample
+
+
+def _shift(vae) -> float:
+    """The VAE's shift_factor (SD3, Flux), 0 where it has none."""
+    return getattr(vae.config, "shift_factor", None) or 0.0
+
+
+def _folder_fingerprint(pretrained: str | None, subfolder: str | None) -> str | None:
+    from pathlib import Path
+
+    if pretrained is None or not Path(pretrained).expanduser().is_dir():
+        return None  # random weights from a config, or a hub id: the weights themselves are hashed
+    from lit_dist.cache.pipelines import files_fingerprint
+
+    return files_fingerprint(Path(pretrained).expanduser(), [subfolder or "."])
 
 
 def decoder_for(spec: dict, field: str = "encoder") -> VAEDecoder:
@@ -222,7 +247,9 @@ class PipelineTextEncoder(nn.Module):
         from lit_dist.cache.pipelines import read_folder
 
         folder = read_folder(pipeline, "data.cache.caption_encoder.init_args.pipeline")
-        self.family = folder.family.name
+        self.folder, self.family = folder, folder.family.name
+        # SDXL's pipelines use zeros for an empty negative prompt, as SDXL was trained (model_index.json says so).
+        self.zeros_for_empty = bool(folder.index.get("force_zeros_for_empty_prompt", False))
         self.encoders = nn.ModuleList()
         self.tokenizers = []
         for name in folder.family.text_encoders:
@@ -232,6 +259,19 @@ class PipelineTextEncoder(nn.Module):
         if max_length is not None and max_length < 1:
             raise ConfigError(f"data.cache.caption_encoder.init_args.max_length = {max_length}: must be at least 1")
         self.max_length = max_length or T5_TOKENS.get(self.family)
+
+    def weights_fingerprint(self) -> str:
+        """The text encoders' and tokenizers' files (cache.pipelines.files_fingerprint): what keys the cache."""
+        names = [n for e in self.folder.family.text_encoders for n in (e, e.replace("text_encoder", "tokenizer"))]
+        return self.folder.fingerprint(*names)
+
+    def empty_caption(self) -> dict[str, torch.Tensor]:
+        """The condition for "no caption", as the family's pipeline makes it with no negative prompt: the caption ""
+        encoded, or zeros of its shapes (SDXL's force_zeros_for_empty_prompt)."""
+        empty = self([""])
+        if self.zeros_for_empty:
+            return {key: torch.zeros_like(value) for key, value in empty.items()}
+        return empty
 
     def _tokens(self, i: int, texts: list[str], max_length: int | None = None) -> dict:
         tokenizer = self.tokenizers[i]

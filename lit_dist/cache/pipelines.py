@@ -7,6 +7,7 @@ family decides how lit-dist calls the denoiser (lit_dist/model/nets/pipeline.py)
 the pipeline's own encoders; it sits here, in the caches' band, so that both can read it.
 """
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,39 @@ class PipelineFolder:
             raise ConfigError(f"{field} = {str(self.path)!r}: its {name} is a {library}.{class_name}, which does not "
                               f"import here ({exc}): update {library}") from exc
         return model_class.from_pretrained(self.path, subfolder=name)
+
+    def fingerprint(self, *names: str) -> str:
+        """What the components ``names`` (subfolders) are, without reading their weights whole: see files_fingerprint."""
+        return files_fingerprint(self.path, names)
+
+
+# A weight file is fingerprinted by its size, its header and SAMPLES reads of SAMPLE_BYTES spread over it: a few MB
+# per encoder instead of reading (and hashing) GBs at every start. A trained or converted file differs in nearly every
+# block, so the samples see it; the names, shapes and dtypes are in the header.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+SAMPLES, SAMPLE_BYTES = 16, 65536
+
+
+def files_fingerprint(root: Path, names) -> str:
+    """sha256 over the files of the subfolders ``names`` of ``root`` (their paths relative to ``root``, in order):
+    small files whole (configs, tokenizers), weight files by size, safetensors header and evenly spaced samples.
+    The same for a copy of the folder elsewhere; different when any file's content changes."""
+    sha = hashlib.sha256()
+    for name in names:
+        for path in sorted(p for p in (Path(root) / name).rglob("*") if p.is_file() and not p.name.startswith(".")):
+            size = path.stat().st_size
+            sha.update(f"{path.relative_to(root).as_posix()}:{size}\n".encode())
+            with open(path, "rb") as f:
+                if not path.name.endswith(WEIGHT_SUFFIXES):
+                    sha.update(f.read())
+                    continue
+                if path.name.endswith(".safetensors") and size >= 8:
+                    header = int.from_bytes(f.read(8), "little")
+                    sha.update(f.read(min(header, size - 8)))
+                for i in range(SAMPLES):
+                    f.seek(max(0, (size - SAMPLE_BYTES) * i // (SAMPLES - 1)))
+                    sha.update(f.read(SAMPLE_BYTES))
+    return sha.hexdigest()
 
 
 def read_folder(path: str | Path, field: str = "model.net.init_args.pipeline") -> PipelineFolder:

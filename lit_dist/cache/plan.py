@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lit_dist.cache import keys
+from lit_dist.cache import captions, keys
 from lit_dist.cache.config import CacheConfig
 from lit_dist.cache.reader import Coverage, FieldIndex
 from lit_dist.cache.shards import ShardWriter
@@ -46,6 +46,7 @@ class CachePlan:
         self._scales: dict = {}  # device -> (mean, std) x 255, made once per device
         self.fields = config.fields()
         self.encoder = self.caption_encoder = None
+        self.captions = None  # captions.Captions of a multi-field caption encoder, once read (read_captions)
         # The bucket settings are in every description: entries of another resolution are named as such.
         self.descriptions = {"pixels": {"field": "pixels", **keys.PIXEL_RULE, "buckets": buckets}}
         if config.encoder is not None:
@@ -65,6 +66,21 @@ class CachePlan:
         self.fingerprints = {f: keys.fingerprint(self.descriptions[f]) for f in self.fields}
         for need in needs:
             need.keys = {f: self._keys(need, f) for f in self.fields}
+
+    def record_captions(self) -> None:
+        """Rank 0 at a build: the empty caption (and with it the layout) of a multi-field caption encoder."""
+        if self.caption_encoder is not None:
+            captions.record(self.store, self.fingerprints["caption_encoder"], self.caption_encoder,
+                            self.config.encoder_dtype)
+
+    def read_captions(self) -> None:
+        """Every rank: the layout and empty caption a multi-field caption cache was built with (None otherwise)."""
+        if self.caption_encoder is not None:
+            self.captions = captions.load(self.store, self.fingerprints["caption_encoder"])
+            if self.captions is None and hasattr(self.caption_encoder, "empty_caption"):
+                raise DataError(f"data.cache.dir = {self.config.dir!r} lacks caption_encoder/{captions.FOLDER}/"
+                                f"{self.fingerprints['caption_encoder']}.npz, the empty caption of its caption "
+                                "encoder: run `lit-dist cache --config <this config>`, which writes it")
 
     def _keys(self, need: DatasetNeed, name: str) -> np.ndarray:
         if name == "caption_encoder":  # the caption's text is its source; the image and bucket play no part

@@ -37,6 +37,8 @@ import torch
 from lightning.pytorch import Callback
 
 from lit_dist.errors import ConfigError, DataError
+from lit_dist.model import conditions
+from lit_dist.model.conditions import Condition
 from lit_dist.model.judge import Judge
 from lit_dist.runtime.control import Event, RunControl
 
@@ -84,7 +86,8 @@ class Samples(Callback):
         self.batch_size, self.size, self.judge = batch_size, size, judge
         self._control: RunControl | None = None
         self._chosen: list[str] | None = None  # the prompts as shown (captions, label names)
-        self._condition: torch.Tensor | None = None  # (P, ...) on the CPU: embeddings or labels
+        self._condition = None  # (P, ...) on the CPU: embeddings (or a dict of them: a pipeline's fields), labels
+        self._empty: dict | None = None  # a pipeline's empty caption, (1, ...) per field: guidance's "no caption"
         self._decoder = None
         self._shape: tuple[int, ...] | None = None
         self._sampled_step = -1
@@ -168,16 +171,16 @@ class Samples(Callback):
         from lit_dist.model.sampling import decode, initial_noise
 
         prompt_of = torch.tensor([i // self.per_prompt for i in indices])
-        condition = None if self._condition is None else self._condition[prompt_of].to(device)
+        condition = conditions.take(self._condition, prompt_of)
         noise = initial_noise(self._shape, self.seed, indices)
-        return decode(pl_module.generate(condition, noise, self.steps, self.guidance), self._decoder, self._mean,
-                      self._std)
+        return decode(pl_module.generate(condition, noise, self.steps, self.guidance, self._empty), self._decoder,
+                      self._mean, self._std)
 
     def _prepare(self, trainer, pl_module) -> None:
         """The prompts, their condition, the decoder and the image shape, once per process."""
         objective, data = pl_module.objective, trainer.datamodule
         if self._chosen is None:
-            self._chosen, self._condition = self._choose(trainer, objective, data)
+            self._chosen, self._condition, self._empty = self._choose(trainer, objective, data)
             if self.judge is not None:  # on every rank, before any image: a judge that cannot read them says so now
                 self.judge.check(self._chosen)
         if self._shape is not None:
@@ -194,11 +197,11 @@ class Samples(Callback):
             self._decoder.to(trainer.strategy.root_device)
         self._shape = shape_of(self._decoder, size, "samples.size")
 
-    def _choose(self, trainer, objective, data) -> tuple[list[str], torch.Tensor | None]:
-        """(prompts as shown, their condition on the CPU): chosen and encoded by rank 0, the same on every rank; if
+    def _choose(self, trainer, objective, data) -> tuple[list[str], Condition, dict | None]:
+        """(prompts as shown, their condition on the CPU, a pipeline's empty caption): chosen and encoded by rank 0, the same on every rank; if
         that fails there, every rank raises (none is left waiting in the broadcast)."""
         if objective.condition == "none":
-            return [""] * (len(self.prompts) if self.prompts else self.num_prompts), None
+            return [""] * (len(self.prompts) if self.prompts else self.num_prompts), None, None
         from lit_dist.runtime.distributed import Comm
 
         comm = Comm(trainer.global_rank, trainer.world_size) if trainer.world_size > 1 else Comm()
@@ -251,7 +254,7 @@ class Samples(Callback):
     def state_dict(self) -> dict:
         if self._chosen is None:
             return {}
-        return {"prompts": list(self._chosen), "condition": self._condition}
+        return {"prompts": list(self._chosen), "condition": self._condition, "empty": self._empty}
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         self._loaded_step = checkpoint.get("global_step")
@@ -260,11 +263,13 @@ class Samples(Callback):
         saved = list(state_dict.get("prompts") or [])
         # Kept unless the config now asks for other prompts (given ones, or another number to choose).
         if saved and (saved == self.prompts or (self.prompts is None and len(saved) == self.num_prompts)):
-            self._chosen, self._condition = saved, state_dict["condition"]
+            self._chosen, self._condition, self._empty = saved, state_dict["condition"], state_dict.get("empty")
 
 
-def _encode(objective, data, prompts: list[str] | None, num_prompts: int, seed: int) -> tuple[list[str], torch.Tensor]:
-    """Rank 0: the prompts (given, or chosen from the validation rows) and their condition on the CPU."""
+def _encode(objective, data, prompts: list[str] | None, num_prompts: int, seed: int) -> tuple[list[str], Condition,
+                                                                                             dict | None]:
+    """Rank 0: the prompts (given, or chosen from the validation rows), their condition on the CPU and the empty
+    caption of a pipeline's encoders (sampling.encode_prompts)."""
     from lit_dist.model.sampling import encode_prompts
 
     if not prompts:

@@ -26,6 +26,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_dist.cache.attach import build_for, open_views, plan_for
+from lit_dist.cache.captions import empty_key
 from lit_dist.cache.config import CacheConfig
 from lit_dist.data.health import BadSamples
 from lit_dist.data.sources import DatasetSource
@@ -165,6 +166,8 @@ class BucketDataModule(LightningDataModule):
         self.normalisation = (tuple(mean), tuple(std))
         self._cache_views: list[dict] | None = None  # per dataset {batch key: FieldView}, after setup
         self._filler = None  # mode ondemand, while entries are missing: takes the new ones from batches
+        self._captions = None  # cache.captions.Captions of a pipeline's caption cache: fields' layout, empty caption
+        self._empty = None  # (device, the empty caption's fields on it)
         self._fill_keys: list | None = None
         self.mean = torch.tensor(mean).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(std).view(1, 3, 1, 1) * 255
@@ -250,6 +253,7 @@ class BucketDataModule(LightningDataModule):
             device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
             opened = open_views(self, parts, device)
             self._cache_views, self._filler, self._fill_keys = opened.views, opened.filler, opened.fill_keys
+            self._captions = opened.captions
         views = self._cache_views or [None] * len(parts)
         fills = self._fill_keys or [None] * len(parts)
         for code, split in enumerate(("train", "val", "test", "predict")):
@@ -472,6 +476,15 @@ class BucketDataModule(LightningDataModule):
                 # Stored and sent in data.cache.encoder_dtype (half the bytes for bf16); the model gets float32,
                 # which autocast lowers again under mixed precision.
                 batch[key] = batch[key].float()
+        if self._captions is not None and self.cache.caption_key in batch:
+            # A pipeline's caption fields, one vector per caption in the cache: the dict its denoiser takes, and
+            # beside it the empty caption that the objective's condition dropout puts in a dropped caption's place.
+            key = self.cache.caption_key
+            batch[key] = self._captions.layout.unflatten(batch[key])
+            device = batch[key][self._captions.layout.fields[0][0]].device
+            if self._empty is None or self._empty[0] != device:  # moved once, not every batch
+                self._empty = device, {k: v.to(device) for k, v in self._captions.empty.items()}
+            batch[empty_key(key)] = dict(self._empty[1])
         if "image" in batch:  # else only encoder outputs cached: nothing to normalise
             image = batch["image"].permute(0, 3, 1, 2).float()  # (B, H, W, C) uint8 -> (B, C, H, W) float, 0..255
             if self.mean.device != image.device:  # moved once, not every batch

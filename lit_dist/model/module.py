@@ -41,6 +41,7 @@ from torch import nn
 
 from lit_dist.ckpt.match import differences, refuse
 from lit_dist.errors import ConfigError
+from lit_dist.model.conditions import Condition
 from lit_dist.model.ema import EMA
 from lit_dist.model.objectives import Classification, Generative, Objective
 from lit_dist.runtime import compat
@@ -427,10 +428,11 @@ class LitModel(LightningModule):
                 self.ema.swap_out()
 
     @torch.no_grad()
-    def generate(self, condition: torch.Tensor | None, noise: torch.Tensor, steps: int, guidance: float) -> torch.Tensor:
+    def generate(self, condition: Condition, noise: torch.Tensor, steps: int, guidance: float,
+                 empty: dict | None = None) -> torch.Tensor:
         """Images in the model's input space from a generative objective's sampler (lit_dist.model.sampling), with the
-        weights evaluation uses (``evaluation_weights``), in eval mode and the run's precision. The network's
-        train/eval mode and weights are as before afterwards."""
+        weights evaluation uses (``evaluation_weights``), in eval mode and the run's precision (``empty``: a
+        pipeline's empty caption, for guidance). The network's train/eval mode and weights are as before afterwards."""
         from lit_dist.model.sampling import sample
 
         if not isinstance(self.objective, Generative):
@@ -442,7 +444,7 @@ class LitModel(LightningModule):
         try:
             self.net.eval()
             with self.evaluation_weights(), precision:
-                return sample(self.net, self.objective, condition, noise, steps=steps, guidance=guidance)
+                return sample(self.net, self.objective, condition, noise, steps=steps, guidance=guidance, empty=empty)
         finally:
             self.net.train(training)
 

@@ -12,10 +12,12 @@ every strategy stay in ``LitModel``.
 
 A generative objective calls the network (the denoiser) as ``net(x_t, timestep, condition)``:
 ``x_t`` the noisy input (B, C, H, W), ``timestep`` float (B,) on diffusers' scale (0 to 1000),
-``condition`` the caption embeddings (B, ...) or the class labels (B,) int64, or None. It may
-return a tensor or an object with a ``.sample`` tensor (diffusers' models). The objective owns
-condition dropout (for classifier-free guidance): a denoiser must not drop labels itself. A dropped
-caption is an all-zero embedding, a dropped label is ``null_label``.
+``condition`` the caption embeddings (B, ...), a dict of them (a pipeline's caption fields,
+lit_dist.model.conditions), the class labels (B,) int64, or None. It may return a tensor or an
+object with a ``.sample`` tensor (diffusers' models). The objective owns condition dropout (for
+classifier-free guidance): a denoiser must not drop labels itself. A dropped caption is the empty
+caption the batch carries beside a pipeline's captions (else all zeros), a dropped label is
+``null_label``.
 
 Example (YAML)::
 
@@ -31,7 +33,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lit_dist.cache.captions import empty_key
 from lit_dist.errors import ConfigError
+from lit_dist.model import conditions
 from lit_dist.runtime.extras import require
 
 
@@ -134,7 +138,7 @@ class Generative(Objective):
         if self.condition_key is None:
             self.condition_key = {"caption": "caption_embedding", "label": target_key, "none": None}[self.condition]
 
-    def condition_of(self, batch: dict, train: bool) -> torch.Tensor | None:
+    def condition_of(self, batch: dict, train: bool) -> conditions.Condition:
         """The batch's condition; in training, each sample's dropped with probability condition_dropout."""
         if self.condition == "none":
             return None
@@ -145,12 +149,13 @@ class Generative(Objective):
         cond = batch[self.condition_key]
         if not train or self.condition_dropout == 0:
             return cond
-        drop = torch.rand(len(cond), device=cond.device) < self.condition_dropout
+        drop = torch.rand(conditions.size(cond), device=conditions.device(cond)) < self.condition_dropout
         if self.condition == "label":
             return torch.where(drop, torch.full_like(cond, self.null_label), cond)
-        # "No caption" is an all-zero embedding (as SDXL's force_zeros_for_empty_prompt): the same at sampling,
-        # whichever caption encoder filled the cache.
-        return torch.where(drop.view(-1, *[1] * (cond.dim() - 1)), torch.zeros_like(cond), cond)
+        # "No caption" is the empty caption as the family's pipeline encodes it, which the data module sends beside
+        # the captions of a pipeline's caption cache; else an all-zero embedding (as SDXL's
+        # force_zeros_for_empty_prompt). The sampler's guidance uses the same.
+        return conditions.replace(cond, drop, batch.get(empty_key(self.condition_key)))
 
     def sample_t(self, n: int, device, generator: torch.Generator | None = None) -> torch.Tensor:
         """Training times in (0, 1): uniform, or the sigmoid of a normal (logit-normal, SD3's default)."""

@@ -13,12 +13,15 @@ import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
+from lit_dist.model import conditions
+from lit_dist.model.conditions import Condition
 from lit_dist.model.objectives import Diffusion, FlowMatching, Generative, denoise, seeded_normal
 from lit_dist.runtime.extras import require
 
 
-def null_condition(objective: Generative, condition: torch.Tensor | None) -> torch.Tensor | None:
-    """What the objective trained as "no condition", shaped like ``condition``."""
+def null_condition(objective: Generative, condition: Condition, empty: dict | None = None) -> Condition:
+    """What the objective trained as "no condition", shaped like ``condition``: ``null_label``, the empty caption
+    ``empty`` (a pipeline's caption fields, (1, ...) each), or all zeros."""
     if condition is None:
         return None
     if objective.condition == "label":
@@ -26,7 +29,8 @@ def null_condition(objective: Generative, condition: torch.Tensor | None) -> tor
             raise ConfigError("guidance with labels needs model.objective.null_label (and a model trained with "
                               "condition_dropout > 0)")
         return torch.full_like(condition, objective.null_label)
-    return torch.zeros_like(condition)
+    every = torch.ones(conditions.size(condition), dtype=torch.bool, device=conditions.device(condition))
+    return conditions.replace(condition, every, empty)
 
 
 def scheduler_for(objective: Generative, steps: int):
@@ -55,24 +59,12 @@ def initial_noise(shape: tuple[int, ...], seed: int, indices) -> torch.Tensor:
     return torch.stack([seeded_normal(tuple(shape), seed, i) for i in indices])
 
 
-def _to_model(condition, device: torch.device, dtype: torch.dtype):
-    """The condition (a tensor, or a dict of them: added conditions) on the model's device, its floating-point
-    tensors in the model's dtype. Without autocast (bf16-true, DeepSpeed's bf16) a denoiser that does not cast its
-    condition itself (diffusers' UNet2DConditionModel) fails on float32 embeddings against bf16 weights; labels stay
-    integers."""
-    if condition is None:
-        return None
-    if isinstance(condition, dict):
-        return {key: _to_model(value, device, dtype) for key, value in condition.items()}
-    return condition.to(device=device, dtype=dtype if condition.is_floating_point() else condition.dtype)
-
-
 @torch.no_grad()
-def sample(net: nn.Module, objective: Generative, condition: torch.Tensor | None, noise: torch.Tensor,
-           steps: int = 30, guidance: float = 1.0) -> torch.Tensor:
+def sample(net: nn.Module, objective: Generative, condition: Condition, noise: torch.Tensor,
+           steps: int = 30, guidance: float = 1.0, empty: dict | None = None) -> torch.Tensor:
     """Images (B, C, H, W) in the space the model trained in (pixels as normalised, or latents), from the
     starting ``noise`` of that shape (``initial_noise``). ``guidance`` > 1 mixes conditional and unconditional
-    predictions."""
+    predictions (``empty``: the empty caption of a pipeline's encoders, see ``null_condition``)."""
     parameter = next(net.parameters())
     device, dtype = parameter.device, parameter.dtype
     shape = tuple(noise.shape)
@@ -80,13 +72,13 @@ def sample(net: nn.Module, objective: Generative, condition: torch.Tensor | None
     x = noise.to(device=device, dtype=dtype)
     if isinstance(objective, Diffusion):
         x = x * scheduler.init_noise_sigma
-    condition = _to_model(condition, device, dtype)
+    condition = conditions.to(condition, device, dtype)
     guided = guidance != 1.0 and condition is not None
-    null = null_condition(objective, condition) if guided else None
+    null = null_condition(objective, condition, conditions.to(empty, device, dtype)) if guided else None
     for t in scheduler.timesteps:
         timestep = t.to(device=device, dtype=torch.float32).expand(shape[0])
         if guided:
-            both = denoise(net, torch.cat([x, x]), torch.cat([timestep, timestep]), torch.cat([condition, null]))
+            both = denoise(net, torch.cat([x, x]), torch.cat([timestep, timestep]), conditions.cat(condition, null))
             cond_out, null_out = both.chunk(2)
             out = null_out + guidance * (cond_out - null_out)
         else:
@@ -137,24 +129,36 @@ def write_grid(pixels: torch.Tensor, rows: int, cols: int, path: str) -> None:
     write_atomically(fs, fs_path, lambda f: f.write(png.getvalue()))
 
 
-def encode_prompts(objective: Generative, data, prompts: list[str], field: str = "--prompt") -> tuple[list[str], torch.Tensor | None]:
-    """(prompts as shown, their condition on the CPU) for ``objective``: captions through the run's caption encoder
-    (``data.cache.caption_encoder``), as its training captions were; labels as class numbers or the data's class
-    names; nothing for an unconditioned model."""
+def encode_prompts(objective: Generative, data, prompts: list[str], field: str = "--prompt") -> tuple[list[str], Condition, dict | None]:
+    """(prompts as shown, their condition on the CPU, the empty caption or None) for ``objective``: captions through
+    the run's caption encoder (``data.cache.caption_encoder``), as its training captions were, with the empty caption
+    of an encoder that returns several fields (lit_dist.cache.captions.empty_caption, as its cache holds it); labels
+    as class numbers or the data's class names; nothing for an unconditioned model."""
     if objective.condition == "none":
-        return list(prompts), None
+        return list(prompts), None, None
     if objective.condition == "label":
         classes = list(getattr(data, "classes", None) or [])
         labels = [_label(p, classes, field) for p in prompts]
-        return [classes[i] if 0 <= i < len(classes) else str(i) for i in labels], torch.tensor(labels, dtype=torch.int64)
+        shown = [classes[i] if 0 <= i < len(classes) else str(i) for i in labels]
+        return shown, torch.tensor(labels, dtype=torch.int64), None
     spec = getattr(getattr(data, "cache", None), "caption_encoder", None)
     if spec is None:
         raise ConfigError(f"data.cache.caption_encoder is not set: {field} is encoded by the run's caption encoder, "
                           "as its captions were")
+    from lit_dist.cache.captions import empty_caption
     from lit_dist.cache.encoders import load_encoder
 
+    encoder = load_encoder(spec, "caption_encoder")
     with torch.no_grad():
-        return list(prompts), load_encoder(spec, "caption_encoder")(list(prompts)).float()  # (P, ...)
+        condition = encoder(list(prompts))  # (P, ...), or a dict of them
+        if not isinstance(condition, dict):
+            return list(prompts), condition.float(), None
+        return list(prompts), _floats(condition), _floats(empty_caption(encoder))
+
+
+def _floats(fields: dict) -> dict:
+    """A pipeline's caption fields as the cache gives them to the model: float32 on the CPU."""
+    return {key: value.float().cpu() for key, value in fields.items()}
 
 
 def _label(prompt: str, classes: list[str], field: str) -> int:

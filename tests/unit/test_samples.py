@@ -121,8 +121,8 @@ def test_label_prompts_are_class_numbers_or_names():
     class Data:
         classes = ["circle", "cross", "square", "triangle"]
 
-    shown, labels = encode_prompts(objective, Data(), ["square", "1"])
-    assert shown == ["square", "cross"] and labels.tolist() == [2, 1]
+    shown, labels, empty = encode_prompts(objective, Data(), ["square", "1"])
+    assert shown == ["square", "cross"] and labels.tolist() == [2, 1] and empty is None
     with pytest.raises(ConfigError, match="'hexagon': a label-conditioned model takes class numbers or the names"):
         encode_prompts(objective, Data(), ["hexagon"])
 

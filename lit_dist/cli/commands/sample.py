@@ -48,6 +48,7 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
     import torch
 
     from lit_dist.ckpt.export import load_checkpoint_state, network_state
+    from lit_dist.model import conditions
     from lit_dist.model.objectives import Generative
     from lit_dist.model.sampling import (
         decode,
@@ -85,7 +86,7 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
         raise ConfigError(f"model.objective.condition is {objective.condition} and the run has no samples.prompts: "
                           "give --prompt \"...\" (several separated by ';'" +
                           (", class numbers or names)" if objective.condition == "label" else ")"))
-    _, condition = encode_prompts(objective, data, prompts or [""])
+    _, condition, empty = encode_prompts(objective, data, prompts or [""])
     rows = len(prompts) or 1
     decoder = decoder_of(objective, data)
     shape = shape_of(decoder, getattr(run_samples, "size", None) or data.resolution, "data.resolution")
@@ -106,9 +107,10 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
     with torch.no_grad():
         for start in range(0, total, per_call):
             indices = range(start, min(start + per_call, total))
-            group = None if condition is None else condition[torch.tensor([i // num for i in indices])].to(target)
+            group = conditions.take(condition, torch.tensor([i // num for i in indices]))
             with plugin.forward_context():
-                drawn = draw(net, objective, group, initial_noise(shape, seed, indices), steps=steps, guidance=guidance)
+                drawn = draw(net, objective, group, initial_noise(shape, seed, indices), steps=steps, guidance=guidance,
+                             empty=empty)
             images.append(decode(drawn, decoder, data.mean, data.std))  # (n, 3, H, W) uint8 on the CPU
     pixels = torch.cat(images)
     write_grid(pixels, rows, num, output)
