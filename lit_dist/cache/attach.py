@@ -69,7 +69,6 @@ def open_views(data, parts: list, device: torch.device) -> Opened:
         if not plan.store.check():
             raise DataError(f"data.cache.dir = {cache.dir!r} holds no cache (data.cache.mode: read). Build it first: "
                             "`lit-dist cache --config <this config>`, or set data.cache.mode: build.")
-        plan.read_captions()
     found, coverage = plan.match()
     incomplete = [c for c in coverage.values() if c.missing]
     if incomplete:
@@ -80,6 +79,8 @@ def open_views(data, parts: list, device: torch.device) -> Opened:
         raise DataError(f"data.cache.dir = {cache.dir!r} is incomplete for this run: {'; '.join(details)}. Build what "
                         "is missing with `lit-dist cache --config <this config>` (every rank of a job builds its "
                         "share), or set data.cache.mode: build.")
+    if cache.mode == "read":  # a build read them already; after the coverage, whose stale entries say more
+        plan.read_captions()
     rank_zero_info("lit-dist: reading " + "; ".join(c.summary() for c in coverage.values()) + f" from the cache {cache.dir}")
     return Opened(plan.views(found), captions=plan.captions)
 

@@ -68,6 +68,9 @@ class CacheConfig:
     shard_size_mb: int = 256
     threads: bool = True
 
+    def __post_init__(self):
+        self.dir = given_dir(self.dir)
+
     def problems(self) -> list[str]:
         out = []
         if self.mode not in MODES:
@@ -110,3 +113,9 @@ class CacheConfig:
         """The cached fields, in a fixed order."""
         return [f for f, on in (("pixels", self.pixels), ("encoder", self.encoder is not None),
                                 ("caption_encoder", self.caption_encoder is not None)) if on]
+
+
+def given_dir(value: str | None) -> str | None:
+    """``data.cache.dir`` as meant: jsonargparse hands ``--data.cache.dir null`` on a command line (a field of a
+    dataclass inside the data module's init_args) over as the string "None", which would be a cache folder ./None."""
+    return None if value in ("None", "null", "") else value

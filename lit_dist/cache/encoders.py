@@ -55,10 +55,13 @@ def description(spec: dict, module: nn.Module, dtype: str, field: str = "encoder
     the module's ``weights_fingerprint()`` where it has one (loaded from a folder: its files, sampled), else by a
     sha256 of every parameter and buffer."""
     weights = module.weights_fingerprint() if hasattr(module, "weights_fingerprint") else None
+    init_args = json.loads(json.dumps(spec.get("init_args") or {}, sort_keys=True, default=str))
+    if weights:  # the files stand for the folder: a copy of it elsewhere (another path) keeps the cache
+        init_args = {k: v for k, v in init_args.items() if k not in getattr(module, "FOLDER_ARGS", ())}
     return {
         "field": field,
         "class_path": spec["class_path"],
-        "init_args": json.loads(json.dumps(spec.get("init_args") or {}, sort_keys=True, default=str)),
+        "init_args": init_args,
         **({"weights_files": weights} if weights else {"weights_sha256": weights_sha256(module)}),
         "dtype": dtype,
         "layout": "byte-shuffled",  # how the stored bytes are laid out: part of what an entry is
@@ -69,6 +72,8 @@ def description(spec: dict, module: nn.Module, dtype: str, field: str = "encoder
 class VAEEncoder(nn.Module):
     """Latents of diffusers' ``AutoencoderKL``: (``encode(x).latent_dist`` mean (or a sample) - shift factor) x scaling
     factor, as the pipelines that use it make them."""
+
+    FOLDER_ARGS = ("pretrained",)  # the init argument that names the folder weights_fingerprint reads
 
     def __init__(self, pretrained: str | None = None, subfolder: str | None = None, config: dict | None = None,
                  output: Literal["mean", "sample"] = "mean", seed: int = 0):
@@ -232,6 +237,8 @@ class PipelineTextEncoder(nn.Module):
     """A diffusers pipeline folder's own tokenizers and text encoders, as its pipeline encodes a prompt: captions ->
     the family's condition (lit_dist.model.nets.pipeline.CONDITION), a dict of (B, ...) tensors: ``hidden`` (the
     token states the denoiser attends to), ``pooled`` (SDXL, SD3, Flux) and ``mask`` (PixArt's T5 tokens)."""
+
+    FOLDER_ARGS = ("pipeline",)  # the init argument that names the folder weights_fingerprint reads
 
     def __init__(self, pipeline: str, max_length: int | None = None):
         """Load the folder's text encoders.

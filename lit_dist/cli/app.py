@@ -73,9 +73,11 @@ class LitDistCLI(LightningCLI):
         from lit_dist.callbacks.samples import Samples
         from lit_dist.callbacks.stragglers import StragglerDetector
         from lit_dist.callbacks.watchdog import HangWatchdog
+        from lit_dist.cli.pipeline import PipelineConfig
         from lit_dist.runtime.control import RunControl
 
         parser.add_class_arguments(RunConfig, "run")
+        parser.add_class_arguments(PipelineConfig, "pipeline")
         parser.add_lightning_class_args(RunControl, "control")
         parser.add_lightning_class_args(Progress, "progress")
         parser.add_lightning_class_args(Checkpointing, "checkpoint")
@@ -132,6 +134,9 @@ class LitDistCLI(LightningCLI):
 
         config = self.config[self.subcommand] if self.subcommand else self.config
         self._say_ignored(config)
+        from lit_dist.cli.pipeline import fill
+
+        fill(config)  # first: the model and data a pipeline folder implies, before anything reads them
         if self.subcommand not in (None, "fit"):
             # The run directory's config.yaml stays fit's (what a resume and these commands read): theirs beside it.
             self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": f"config-{self.subcommand}.yaml"}

@@ -70,7 +70,7 @@ class LitModel(LightningModule):
 
     def __init__(
         self,
-        net: nn.Module,
+        net: nn.Module | None = None,
         loss: nn.Module | None = None,
         objective: Objective | None = None,
         ema: EMA | None = None,
@@ -89,7 +89,8 @@ class LitModel(LightningModule):
         """Wrap a network.
 
         Args:
-            net: The network to train; any torch.nn.Module, given by class_path and init_args.
+            net: The network to train; any torch.nn.Module, given by class_path and init_args (with pipeline.path:
+                the pipeline's denoiser, filled in).
             loss: Classification loss module called as loss(logits, target); default: cross-entropy.
             objective: What a batch becomes (lit_dist.model.objectives): Classification (default), FlowMatching or Diffusion.
             ema: An exponential moving average of the network's weights (lit_dist.model.ema.EMA); null: none.
@@ -108,6 +109,9 @@ class LitModel(LightningModule):
                 cores) or medium (bf16); CPU runs are left as they are.
         """
         super().__init__()
+        if net is None:
+            raise ConfigError("model.net is not set: name the network to train (class_path and init_args), or a "
+                              "pretrained diffusers pipeline folder with pipeline.path")
         problems = []
         if base_batch_size < 1:
             problems.append(f"model.base_batch_size = {base_batch_size}: must be >= 1")

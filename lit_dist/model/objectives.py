@@ -27,6 +27,7 @@ Example (YAML)::
         init_args: {condition: caption, condition_dropout: 0.1, timesteps: logit_normal}
 """
 
+import math
 from typing import Literal
 
 import torch
@@ -202,12 +203,19 @@ def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class FlowMatching(Generative):
-    """Rectified flow: ``x_t = (1 - t) x0 + t noise``; the denoiser predicts ``noise - x0``."""
+    """Rectified flow: ``x_t = (1 - s) x0 + s noise`` at noise level ``s``; the denoiser predicts ``noise - x0``.
+
+    ``s`` is the training time ``t`` shifted towards noise as the model's scheduler shifts it
+    (diffusers' ``FlowMatchEulerDiscreteScheduler``): by a constant ``shift`` (SD3: 3.0), or by one that grows
+    with the image's token count (``dynamic_shift``, Flux: latent height x width / 4 tokens). Validation and the
+    sampler use the same shift."""
 
     def __init__(self, condition: Literal["caption", "label", "none"] = "caption", condition_key: str | None = None,
                  condition_dropout: float = 0.1, null_label: int | None = None,
                  timesteps: Literal["uniform", "logit_normal"] = "logit_normal", logit_mean: float = 0.0,
-                 logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0):
+                 logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0, shift: float = 1.0,
+                 dynamic_shift: bool = False, base_shift: float = 0.5, max_shift: float = 1.15,
+                 base_image_seq_len: int = 256, max_image_seq_len: int = 4096):
         """Train a denoiser by flow matching.
 
         Args:
@@ -220,11 +228,47 @@ class FlowMatching(Generative):
             logit_std: Standard deviation of the normal behind logit_normal times.
             eval_timesteps: Evenly spaced times of the deterministic validation loss.
             eval_seed: Seed of the validation loss's noises (one per sample, by its metadata row).
+            shift: Constant timestep shift, s = shift t / (1 + (shift - 1) t): SD3's 3.0; 1 leaves times as drawn.
+            dynamic_shift: Shift by the image's token count instead (Flux's use_dynamic_shifting): s = e^mu / (e^mu +
+                1/t - 1), mu from base_shift at base_image_seq_len to max_shift at max_image_seq_len tokens.
+            base_shift: mu at base_image_seq_len tokens (dynamic_shift).
+            max_shift: mu at max_image_seq_len tokens (dynamic_shift).
+            base_image_seq_len: Tokens at which mu is base_shift (dynamic_shift).
+            max_image_seq_len: Tokens at which mu is max_shift (dynamic_shift).
         """
         super().__init__(condition, condition_key, condition_dropout, null_label, timesteps, logit_mean, logit_std,
                          eval_timesteps, eval_seed)
+        problems = []
+        if shift <= 0:
+            problems.append(f"model.objective.shift = {shift}: must be positive (1: no shift)")
+        if dynamic_shift and shift != 1.0:
+            problems.append(f"model.objective.shift = {shift} with dynamic_shift: true: the shift is either constant or "
+                            "by the token count; set one")
+        if dynamic_shift and max_image_seq_len <= base_image_seq_len:
+            problems.append(f"model.objective.max_image_seq_len = {max_image_seq_len}: must be above "
+                            f"base_image_seq_len ({base_image_seq_len})")
+        ConfigError.collect(problems)
+        self.shift, self.dynamic_shift = shift, dynamic_shift
+        self.base_shift, self.max_shift = base_shift, max_shift
+        self.base_image_seq_len, self.max_image_seq_len = base_image_seq_len, max_image_seq_len
+
+    def mu(self, height: int, width: int) -> float:
+        """The dynamic shift's mu for latents of ``height`` x ``width`` (FluxPipeline's calculate_shift of its
+        2 x 2-patch token count)."""
+        slope = (self.max_shift - self.base_shift) / (self.max_image_seq_len - self.base_image_seq_len)
+        return (height // 2) * (width // 2) * slope + self.base_shift - slope * self.base_image_seq_len
+
+    def noise_level(self, t: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        """The noise level ``s`` of times ``t`` in (0, 1) for inputs like ``x0`` (see the class docstring)."""
+        if self.dynamic_shift:
+            scale = math.exp(self.mu(x0.shape[-2], x0.shape[-1]))
+            return scale / (scale + (1 / t - 1))
+        if self.shift != 1.0:
+            return self.shift * t / (1 + (self.shift - 1) * t)
+        return t
 
     def per_sample_loss(self, net, x0, noise, t, cond):
+        t = self.noise_level(t, x0)
         tt = t.view(-1, *[1] * (x0.dim() - 1)).to(x0.dtype)
         x_t = (1 - tt) * x0 + tt * noise
         pred = denoise(net, x_t, t * 1000, cond)  # diffusers' timestep scale (SD3: sigma x 1000)
@@ -240,7 +284,8 @@ class Diffusion(Generative):
                  condition: Literal["caption", "label", "none"] = "caption", condition_key: str | None = None,
                  condition_dropout: float = 0.1, null_label: int | None = None,
                  timesteps: Literal["uniform", "logit_normal"] = "uniform", logit_mean: float = 0.0,
-                 logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0):
+                 logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0, beta_start: float = 0.0001,
+                 beta_end: float = 0.02):
         """Train a denoiser by diffusion.
 
         Args:
@@ -257,10 +302,15 @@ class Diffusion(Generative):
             logit_std: Standard deviation of the normal behind logit_normal timesteps.
             eval_timesteps: Evenly spaced timesteps of the deterministic validation loss.
             eval_seed: Seed of the validation loss's noises (one per sample, by its metadata row).
+            beta_start: The schedule's first beta (Stable Diffusion's scheduler: 0.00085).
+            beta_end: The schedule's last beta (Stable Diffusion's scheduler: 0.012).
         """
         super().__init__(condition, condition_key, condition_dropout, null_label, timesteps, logit_mean, logit_std,
                          eval_timesteps, eval_seed)
         problems = []
+        if not 0 < beta_start < beta_end < 1:
+            problems.append(f"model.objective.beta_start = {beta_start}, beta_end = {beta_end}: need "
+                            "0 < beta_start < beta_end < 1")
         if prediction not in ("epsilon", "v_prediction"):
             problems.append(f"model.objective.prediction = {prediction!r}: must be epsilon or v_prediction")
         if snr_gamma is not None and snr_gamma <= 0:
@@ -272,7 +322,7 @@ class Diffusion(Generative):
         from diffusers import DDPMScheduler
 
         self.scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
-                                       prediction_type=prediction)
+                                       beta_start=beta_start, beta_end=beta_end, prediction_type=prediction)
         self.prediction, self.snr_gamma, self.num_train_timesteps = prediction, snr_gamma, num_train_timesteps
         self._alphas_cumprod = self.scheduler.alphas_cumprod  # moved to the batches' device once, not every step
 

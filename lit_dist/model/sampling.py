@@ -33,15 +33,25 @@ def null_condition(objective: Generative, condition: Condition, empty: dict | No
     return conditions.replace(condition, every, empty)
 
 
-def scheduler_for(objective: Generative, steps: int):
-    """A diffusers scheduler set to ``steps`` steps, matching how ``objective`` trained."""
+def scheduler_for(objective: Generative, steps: int, shape: tuple[int, ...] | None = None):
+    """A diffusers scheduler set to ``steps`` steps, matching how ``objective`` trained (a flow-matching shift by the
+    token count needs the samples' ``shape``, (..., H, W))."""
     if steps < 1:
         raise ConfigError(f"sampling steps = {steps}: must be at least 1")
     require("diffusers", f"sampling from model.objective {type(objective).__name__} (diffusers' samplers)")
     if isinstance(objective, FlowMatching):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+        if objective.dynamic_shift:
+            # As FluxPipeline: its own sigmas from 1 to 1/steps, shifted by the mu of the image's token count.
+            scheduler = FlowMatchEulerDiscreteScheduler(
+                num_train_timesteps=1000, use_dynamic_shifting=True, base_shift=objective.base_shift,
+                max_shift=objective.max_shift, base_image_seq_len=objective.base_image_seq_len,
+                max_image_seq_len=objective.max_image_seq_len)
+            scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(),
+                                    mu=objective.mu(shape[-2], shape[-1]))
+            return scheduler
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=objective.shift)
     elif isinstance(objective, Diffusion):
         from diffusers import DDIMScheduler
 
@@ -68,7 +78,7 @@ def sample(net: nn.Module, objective: Generative, condition: Condition, noise: t
     parameter = next(net.parameters())
     device, dtype = parameter.device, parameter.dtype
     shape = tuple(noise.shape)
-    scheduler = scheduler_for(objective, steps)
+    scheduler = scheduler_for(objective, steps, shape)
     x = noise.to(device=device, dtype=dtype)
     if isinstance(objective, Diffusion):
         x = x * scheduler.init_noise_sigma

@@ -49,7 +49,8 @@ def _sd15(scratch: Path):
     return StableDiffusionPipeline(vae=_vae(), text_encoder=text_encoder,
                                    tokenizer=_clip_tokenizer(scratch / "clip"), unet=unet,
                                    scheduler=DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085,
-                                                           beta_end=0.012, num_train_timesteps=1000),
+                                                           beta_end=0.012, num_train_timesteps=1000, steps_offset=1,
+                                                           clip_sample=False),
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 

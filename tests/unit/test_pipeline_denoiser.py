@@ -72,12 +72,16 @@ def test_the_denoiser_computes_what_its_pipeline_computes(family, tmp_path):
         got = net(x, timestep, condition)
     assert got.shape == x.shape
     torch.testing.assert_close(got, expected)
+    if family == "sdxl":  # without size conditions: the pipeline's defaults (the image's own size, uncropped)
+        with torch.no_grad():
+            torch.testing.assert_close(net(x, timestep, {k: v for k, v in condition.items() if k != "time_ids"}),
+                                       expected)
     assert [n for n, p in net.named_parameters() if p.requires_grad], "the denoiser is what training updates"
 
 
 def test_a_condition_without_the_family_s_fields_is_one_line(tmp_path):
     net = PipelineDenoiser(str(save_pipeline("sdxl", tmp_path / "sdxl")))
-    with pytest.raises(ConfigError, match="sdxl denoiser takes a condition with hidden, pooled, time_ids, and got"):
+    with pytest.raises(ConfigError, match="sdxl denoiser takes a condition with hidden, pooled, and got"):
         net(torch.zeros(1, 4, 2, 2), torch.zeros(1), torch.zeros(1, 3, 48))
 
 

@@ -48,7 +48,7 @@ def test_the_captions_encode_as_the_family_s_pipeline_encodes_them(family, tmp_p
     encoder = PipelineTextEncoder(str(folder), max_length=TOKENS).eval()
     with torch.no_grad():
         got = encoder(PROMPTS)
-    assert set(got) == set(expected) == set(CONDITION[family]) - {"time_ids"}
+    assert set(got) == set(expected) == set(CONDITION[family])
     for key in expected:
         torch.testing.assert_close(got[key].to(expected[key].dtype), expected[key], msg=f"{family} {key}")
     assert not torch.equal(got["hidden"][0], got["hidden"][1]), "two captions, two encodings"

@@ -21,11 +21,12 @@ from lit_dist.cache.pipelines import read_folder
 from lit_dist.errors import ConfigError
 from lit_dist.runtime.extras import require
 
-# The condition each family's denoiser takes, by key: the caption cache's fields, and for SDXL the size and crop
-# conditioning of each sample (original height and width, crop top and left, target height and width).
+# The condition each family's denoiser takes, by key: the caption cache's fields. SDXL also takes each sample's size
+# and crop conditioning, ``time_ids`` (original height and width, crop top and left, target height and width); without
+# them it gets what its pipeline gives by default: the image's own size, uncropped.
 CONDITION = {
     "sd15": ("hidden",),
-    "sdxl": ("hidden", "pooled", "time_ids"),
+    "sdxl": ("hidden", "pooled"),
     "sd3": ("hidden", "pooled"),
     "flux": ("hidden", "pooled"),
     "pixart": ("hidden", "mask"),
@@ -47,7 +48,8 @@ class PipelineDenoiser(nn.Module):
         require("diffusers", "model.net PipelineDenoiser")
         self.folder = read_folder(pipeline)
         self.family = self.folder.family.name
-        self.model = self.folder.load(self.folder.family.denoiser, "model.net.init_args.pipeline")
+        # from_pretrained leaves a model in eval mode; the trainer's modes are per module (Lightning keeps them).
+        self.model = self.folder.load(self.folder.family.denoiser, "model.net.init_args.pipeline").train()
         # Pixels per latent along a side, as the pipelines compute it: PixArt-alpha's size conditions are in pixels.
         vae = json.loads((self.folder.path / "vae" / "config.json").read_text())
         self.vae_scale = 2 ** (len(vae["block_out_channels"]) - 1)
@@ -58,7 +60,8 @@ class PipelineDenoiser(nn.Module):
     def forward(self, x: torch.Tensor, timestep: torch.Tensor, condition: dict | torch.Tensor | None) -> torch.Tensor:
         c = self._condition(condition)
         if self.family in ("sd15", "sdxl"):
-            extra = {"added_cond_kwargs": {"text_embeds": c["pooled"], "time_ids": c["time_ids"]}} if self.family == "sdxl" else {}
+            extra = {"added_cond_kwargs": {"text_embeds": c["pooled"], "time_ids": self._time_ids(x, c)}} \
+                if self.family == "sdxl" else {}
             return self.model(x, timestep, encoder_hidden_states=c["hidden"], **extra, return_dict=False)[0]
         if self.family == "sd3":
             return self.model(hidden_states=x, timestep=timestep, encoder_hidden_states=c["hidden"],
@@ -80,6 +83,13 @@ class PipelineDenoiser(nn.Module):
             raise ConfigError(f"model.net: the {self.family} denoiser takes a condition with {', '.join(needed)}, and got "
                               f"{given}: cache the captions with the pipeline's own text encoders")
         return condition
+
+    def _time_ids(self, x: torch.Tensor, c: dict) -> torch.Tensor:
+        """SDXL's (B, 6) size conditions: the batch's own, else (h, w, 0, 0, h, w) of the image the latents make."""
+        if "time_ids" in c:
+            return c["time_ids"]
+        h, w = x.shape[-2] * self.vae_scale, x.shape[-1] * self.vae_scale
+        return torch.tensor([[h, w, 0, 0, h, w]], device=x.device, dtype=x.dtype).repeat(x.shape[0], 1)
 
     def _flux(self, x: torch.Tensor, timestep: torch.Tensor, c: dict) -> torch.Tensor:
         """Flux's transformer takes 2 x 2 patches of the latents as tokens, their positions as ids, the timestep on a

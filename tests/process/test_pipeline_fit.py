@@ -1,0 +1,105 @@
+"""`lit-dist fit` of a pretrained diffusers pipeline named by one key, `pipeline.path`, for every family: the
+denoiser, the objective with the folder's own schedule, and the caches of its VAE and text encoders come from the
+folder; the run's saved config.yaml resumes as it is; a config that contradicts the folder is one line, exit 2; a
+changed text encoder makes the caption cache stale."""
+
+import shutil
+
+import pytest
+import yaml
+
+from tests.conftest import lit_dist
+
+pytestmark = pytest.mark.process
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from tests.helpers.pipelines import FAMILIES, save_pipeline  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    from lit_dist.data.demo.shapes import create_shapes_dataset
+
+    path = tmp_path_factory.mktemp("shapes") / "metadata.parquet"
+    create_shapes_dataset(str(path), num_images=48, seed=1)
+    return path
+
+
+def _args(folder, shapes, root, cache, steps: int = 4) -> list[str]:
+    return ["--pipeline.path", str(folder), "--data.metadata", str(shapes), "--data.resolution", "32",
+            "--data.batch_size_per_device", "4", "--data.num_workers", "0", "--data.allow_oversubscription", "true",
+            "--data.cache.dir", str(cache), "--run.root_dir", str(root), "--run.name", "ft", "--run.run_id", "r",
+            "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2",
+            "--samples.num_prompts", "2", "--samples.per_prompt", "1", "--samples.steps", "2"]
+
+
+# What each tiny folder's scheduler/ says (tests/helpers/pipelines.py), as the run's objective must have it.
+SCHEDULE = {
+    "sd15": ("Diffusion", {"prediction": "epsilon", "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+                           "beta_end": 0.012}),
+    "sdxl": ("Diffusion", {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012}),
+    "sd3": ("FlowMatching", {"shift": 3.0, "dynamic_shift": False}),
+    "flux": ("FlowMatching", {"shift": 1.0, "dynamic_shift": True, "base_shift": 0.5, "max_shift": 1.15}),
+    "pixart": ("Diffusion", {"beta_schedule": "linear", "beta_start": 0.0001, "beta_end": 0.02}),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pipeline_folder_trains_samples_and_resumes_from_its_saved_config(family, shapes, tmp_path):
+    folder = save_pipeline(family, tmp_path / family)
+    out = lit_dist("fit", *_args(folder, shapes, tmp_path, tmp_path / "cache"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "ft" / "r"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    model = saved["model"]["init_args"]
+    assert model["net"]["class_path"] == "lit_dist.model.nets.pipeline.PipelineDenoiser"
+    assert model["input_key"] == "latent"
+    name, schedule = SCHEDULE[family]
+    assert model["objective"]["class_path"].endswith(name)
+    assert {k: model["objective"]["init_args"][k] for k in schedule} == schedule
+    cache = saved["data"]["init_args"]["cache"]
+    assert cache["caption_encoder"]["class_path"].endswith("PipelineTextEncoder") and cache["pixels"] is False
+    assert (run / "samples" / "step-000000004.png").exists()
+    assert "caption_encoder: 48 of 48 cached" in out.stdout + out.stderr
+
+    # The saved config names the folder and holds what it filled in: the same again, so it resumes as it is.
+    out = lit_dist("fit", "--config", str(run / "config.yaml"), "--trainer.max_steps", "6")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from" in (out.stdout + out.stderr).lower() and "step 6/6" in out.stdout + out.stderr
+
+
+def test_a_config_that_contradicts_the_folder_is_one_line(shapes, tmp_path):
+    folder = save_pipeline("sd15", tmp_path / "sd15")
+    base = _args(folder, shapes, tmp_path, tmp_path / "cache")
+    cases = [
+        (["--model.net", "lit_dist.model.nets.TinyUNet"], "model.net is set to lit_dist.model.nets.TinyUNet and "
+                                                          "pipeline.path fills it: pipeline.path names the denoiser"),
+        (["--model.objective", "lit_dist.model.objectives.FlowMatching"], "is a sd15 pipeline, trained with a DDPM "
+                                                                          "noise schedule (diffusion)"),
+        (["--data.cache.dir", "null"], "set data.cache.dir"),
+        (["--data.mean", "[0.4, 0.4, 0.4]"], "a pipeline's VAE takes images in [-1, 1]"),
+        (["--pipeline.path", str(tmp_path / "none")], "pipeline.path = "),
+    ]
+    for extra, message in cases:
+        out = lit_dist("fit", *base, *extra)
+        lines = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error")]
+        assert out.returncode == 2 and len(lines) == 1 and message in lines[0], (extra, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr
+
+
+def test_a_changed_text_encoder_makes_the_caption_cache_stale(shapes, tmp_path):
+    folder = save_pipeline("pixart", tmp_path / "pixart")
+    out = lit_dist("fit", *_args(folder, shapes, tmp_path, tmp_path / "cache", steps=1))
+    assert out.returncode == 0, out.stderr[-3000:]
+    changed = shutil.copytree(folder, tmp_path / "changed")
+    weights = changed / "text_encoder" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4096:] = bytes(4096)  # the last weights: what a fine-tuned encoder changes
+    weights.write_bytes(bytes(data))
+    out = lit_dist("fit", *_args(changed, shapes, tmp_path, tmp_path / "cache", steps=1), "--data.cache.mode", "read",
+                   "--run.run_id", "again")
+    assert out.returncode == 3, out.stderr[-3000:]
+    # The VAE is the same files at another path: its latents are kept; the captions are stale.
+    assert "is incomplete for this run: caption_encoder: 0 of 48 cached" in out.stderr
+    assert "differs in weights_files" in out.stderr and "init_args" not in out.stderr
