@@ -215,7 +215,7 @@ class Samples(Callback):
         step, rows = self._step(trainer), len(self._chosen)
         path = os.path.join(trainer.default_root_dir, "samples", f"step-{step:09d}.png")
         try:
-            write_grid(pixels, rows, self.per_prompt, path)
+            write_grid(pixels, rows, self.per_prompt, path, self._chosen)
             self.last_path = path
         except OSError as exc:  # a full or read-only disk: the grid is lost, not the run (TensorBoard still gets it)
             log.warning("lit-dist: cannot write the sample grid %s (%s); training goes on", path, exc)

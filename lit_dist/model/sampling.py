@@ -78,6 +78,9 @@ def sample(net: nn.Module, objective: Generative, condition: Condition, noise: t
     parameter = next(net.parameters())
     device, dtype = parameter.device, parameter.dtype
     shape = tuple(noise.shape)
+    if hasattr(net, "draw") and isinstance(condition, dict):  # a pipeline's denoiser: its own pipeline class draws
+        return net.draw(conditions.to(condition, device, dtype), conditions.to(empty, device, dtype),
+                        noise.to(device=device, dtype=dtype), steps, guidance)
     scheduler = scheduler_for(objective, steps, shape)
     x = noise.to(device=device, dtype=dtype)
     if isinstance(objective, Diffusion):
@@ -125,8 +128,9 @@ def grid(pixels: torch.Tensor, rows: int, cols: int) -> np.ndarray:
                                 .numpy())
 
 
-def write_grid(pixels: torch.Tensor, rows: int, cols: int, path: str) -> None:
-    """``pixels`` (rows x cols, 3, H, W) as one PNG, written whole or not at all (local or S3)."""
+def write_grid(pixels: torch.Tensor, rows: int, cols: int, path: str, prompts: list[str] | None = None) -> None:
+    """``pixels`` (rows x cols, 3, H, W) as one PNG, written whole or not at all (local or S3); with ``prompts``, the
+    prompt of each row beside it, one per line (``step-N.txt`` next to ``step-N.png``: a model card names them)."""
     from PIL import Image
 
     from lit_dist.ckpt.files import filesystem, is_local, write_atomically
@@ -137,6 +141,9 @@ def write_grid(pixels: torch.Tensor, rows: int, cols: int, path: str) -> None:
     if is_local(fs):  # an object store has no folders to make
         os.makedirs(os.path.dirname(fs_path), exist_ok=True)
     write_atomically(fs, fs_path, lambda f: f.write(png.getvalue()))
+    if prompts is not None:
+        text = "".join(" ".join(str(p).split()) + "\n" for p in prompts).encode()
+        write_atomically(fs, fs_path.removesuffix(".png") + ".txt", lambda f: f.write(text))
 
 
 def encode_prompts(objective: Generative, data, prompts: list[str], field: str = "--prompt") -> tuple[list[str], Condition, dict | None]:

@@ -67,6 +67,25 @@ def test_a_pipeline_folder_trains_samples_and_resumes_from_its_saved_config(fami
     out = lit_dist("fit", "--config", str(run / "config.yaml"), "--trainer.max_steps", "6")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from" in (out.stdout + out.stderr).lower() and "step 6/6" in out.stdout + out.stderr
+    if family not in ("sdxl", "flux"):
+        return
+
+    # Out as a pipeline folder diffusers loads, with its card, and drawn from with `lit-dist sample`.
+    from diffusers import DiffusionPipeline
+
+    out = lit_dist("export", str(run / "checkpoints"), "--output", str(tmp_path / "exported"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(diffusers)" in out.stdout
+    card = (tmp_path / "exported" / "README.md").read_text()
+    prompts = (run / "samples" / "step-000000006.txt").read_text().splitlines()
+    assert len(prompts) == 2 and all(p in card for p in prompts)
+    assert "- steps: 6, about 24 images seen (4 per step)" in card and str(folder) in card
+    assert (tmp_path / "exported" / "samples.png").read_bytes() == (run / "samples" / "step-000000006.png").read_bytes()
+    DiffusionPipeline.from_pretrained(tmp_path / "exported")
+    out = lit_dist("sample", "--config", str(run / "config.yaml"), "--checkpoint", str(run / "checkpoints"),
+                   "--prompt", "a red circle on a white background", "--num", "2", "--steps", "2", "--output",
+                   str(tmp_path / "grid.png"))
+    assert out.returncode == 0 and (tmp_path / "grid.png").exists(), out.stderr[-3000:]
 
 
 def test_a_config_that_contradicts_the_folder_is_one_line(shapes, tmp_path):

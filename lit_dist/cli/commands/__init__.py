@@ -37,7 +37,7 @@ COMMANDS = {
     "plan": Command("lit_dist.cli.commands.plan:plan", "check a run before it starts: world size, batches, learning rate, "
                     "buckets, problems (no GPU)", run_config=True),
     "index": Command("lit_dist.cli.commands.index:index", "index a folder of images into a parquet metadata table"),
-    "export": Command("lit_dist.cli.commands.export:export", "write any checkpoint's network as a plain state_dict (model.pt)"),
+    "export": Command("lit_dist.cli.commands.export:export", "write any checkpoint's network: a diffusers folder, safetensors or a state_dict"),
     "report": Command("lit_dist.cli.commands.report:report", "summarise a run directory, finished or running: state, ETA, "
                       "metrics, throughput, goodput, restarts, checkpoints (--plot report.png)"),
     "scale": Command("lit_dist.cli.commands.scale:scale", "timed fits at several device counts: samples/s, speedup and "

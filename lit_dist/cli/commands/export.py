@@ -1,33 +1,94 @@
-"""``lit-dist export CKPT --output model.pt``: any checkpoint's network as a plain full-precision state_dict.
+"""``lit-dist export CKPT --output PATH``: any checkpoint's network, in the format its users load.
 
     lit-dist export runs/my-run/slurm-123/checkpoints/step-000004000 --output model.pt
-    lit-dist export runs/my-run/slurm-123/checkpoints --output model.pt    # the newest usable one
+    lit-dist export runs/my-run/slurm-123/checkpoints --output model.safetensors    # the newest usable one
+    lit-dist export runs/sdxl/slurm-123/checkpoints --output sdxl-shapes            # a pipeline run: a diffusers folder
     lit-dist export downloaded.ckpt --output model.pt --trust_pickle       # a file you trust that holds other types
     lit-dist export runs/my-run/slurm-123/checkpoints --ema true --output model-ema.pt   # the weight average
 
-    net = MyNet(...)
-    net.load_state_dict(torch.load("model.pt", weights_only=True))
+    net.load_state_dict(torch.load("model.pt", weights_only=True))             # --format state_dict
+    net.load_state_dict(safetensors.torch.load_file("model.safetensors"))      # --format safetensors
+    DiffusionPipeline.from_pretrained("sdxl-shapes")                           # --format diffusers
 """
 
 import os
+from typing import Literal
+
+import torch
 
 from lit_dist.ckpt.export import load_checkpoint_state, network_state, save_atomically, to_full_precision
-from lit_dist.errors import DataError
+from lit_dist.errors import ConfigError, DataError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_pickle: bool = False) -> None:
-    """Write the wrapped network of a checkpoint as a plain full-precision state_dict.
+def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_pickle: bool = False,
+           format: Literal["auto", "diffusers", "safetensors", "state_dict"] = "auto", pipeline: str | None = None,
+           dtype: Literal["fp32", "bf16", "fp16"] = "fp32") -> None:
+    """Write the wrapped network of a checkpoint for use outside lit-dist.
 
     Args:
         checkpoint: A checkpoint file (.ckpt) or folder (FSDP sharded, DeepSpeed ZeRO) written by lit-dist or Lightning.
-        output: Where to write the state_dict (torch.save); load it with torch.load(output, weights_only=True).
+        output: Where to write: a file (state_dict, safetensors) or a new folder (diffusers).
         ema: Write the network with its weight average (model.ema) in place of the trained weights.
         trust_pickle: Unpickle whatever types the checkpoint names (unpickling can run any code): only for a file
             you trust. Without it, a checkpoint holding a type beyond lit-dist's own is refused (exit code 3).
+        format: diffusers (a pipeline folder DiffusionPipeline.from_pretrained loads, with a model card),
+            safetensors (one file), state_dict (torch.save); auto: diffusers for a run of pipeline.path, else
+            safetensors for an output ending in .safetensors, else state_dict.
+        pipeline: The pipeline folder the run fine-tuned; default: pipeline.path of the run's config.yaml.
+        dtype: Floating-point type of the weights written: fp32, or bf16/fp16 for half the size.
     """
+    from lit_dist.cli.model_card import run_dir_of
+
     if not os.path.exists(checkpoint):
         raise DataError(f"checkpoint {checkpoint!r} does not exist")
+    run = run_dir_of(checkpoint)
+    config = _read_config(run / "config.yaml") if run is not None else {}
+    base = pipeline or (config.get("pipeline") or {}).get("path")
+    if format == "auto":
+        format = "diffusers" if base else "safetensors" if output.endswith(".safetensors") else "state_dict"
+    if format == "diffusers" and not base:
+        raise ConfigError(f"--format diffusers writes a pipeline fine-tuned from a pipeline folder, and {checkpoint} "
+                          "has no run config.yaml naming one (pipeline.path): give it with --pipeline FOLDER")
     state = to_full_precision(network_state(load_checkpoint_state(checkpoint, trust_pickle), ema))
-    save_atomically(state, output)
+    state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
     count = sum(v.numel() for v in state.values())
-    print(f"lit-dist export: {len(state)} tensors ({count:,} values) from {checkpoint} -> {output}")
+    if format == "diffusers":
+        _diffusers(checkpoint, base, state, output, config, ema)
+    elif format == "safetensors":
+        _safetensors(state, output)
+    else:
+        save_atomically(state, output)
+    print(f"lit-dist export: {len(state)} tensors ({count:,} values, {dtype}) from {checkpoint} -> {output} ({format})")
+
+
+def _read_config(path) -> dict:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise DataError(f"{path} cannot be read ({exc}): give the pipeline folder with --pipeline") from exc
+
+
+def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dict, ema: bool) -> None:
+    from lit_dist.cache.pipelines import read_folder
+    from lit_dist.cli.model_card import write_card
+    from lit_dist.model.nets.pipeline import write_pipeline
+
+    folder = read_folder(base, "--pipeline")
+    target = write_pipeline(base, state, output)
+    write_card(target, folder.path, folder.family.name, folder.index["_class_name"], checkpoint, config, ema)
+
+
+def _safetensors(state: dict, output: str) -> None:
+    from lit_dist.ckpt.files import filesystem, write_atomically
+    from lit_dist.runtime.extras import require
+
+    require("safetensors", "--format safetensors")
+    from safetensors.torch import save
+
+    data = save({k: v.contiguous() for k, v in state.items()}, metadata={"format": "pt", "written_by": "lit-dist"})
+    fs, path = filesystem(os.path.abspath(output))
+    write_atomically(fs, path, lambda f: f.write(data))

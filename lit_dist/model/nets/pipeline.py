@@ -13,6 +13,8 @@ against the pipeline itself in tests/unit/test_pipeline_denoiser.py), so weights
 """
 
 import json
+import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -84,6 +86,62 @@ class PipelineDenoiser(nn.Module):
                               f"{given}: cache the captions with the pipeline's own text encoders")
         return condition
 
+    @torch.no_grad()
+    def draw(self, condition: dict, empty: dict | None, noise: torch.Tensor, steps: int, guidance: float,
+             seed: int = 0) -> torch.Tensor:
+        """Latents (B, C, h, w) drawn by the family's own diffusers pipeline class (its scheduler from the folder's
+        scheduler/, its guidance) with this denoiser's weights, from the starting ``noise`` (B, C, h, w) and the
+        caption fields ``condition``; ``empty`` (the empty caption, (1, ...) per field) is its negative prompt.
+        The caller decodes them (its VAEDecoder). Flux takes ``guidance`` as its embedded guidance (Flux.1-dev), the
+        others as classifier-free guidance."""
+        pipeline = self._pipeline()
+        b, _, h, w = noise.shape
+        c = self._condition(condition)
+        e = {k: v.expand(b, *v.shape[1:]) for k, v in (empty or {k: torch.zeros_like(v[:1]) for k, v in c.items()}).items()}
+        call = {"height": h * self.vae_scale, "width": w * self.vae_scale, "num_inference_steps": steps,
+                "guidance_scale": guidance, "output_type": "latent", "prompt_embeds": c["hidden"],
+                "generator": torch.Generator(noise.device).manual_seed(seed)}
+        if self.family == "flux":
+            call["latents"] = type(pipeline)._pack_latents(noise, b, noise.shape[1], h, w)
+        else:
+            call["latents"] = noise
+            call["negative_prompt_embeds"] = e["hidden"]
+        if self.family in ("sdxl", "sd3", "flux"):
+            call["pooled_prompt_embeds"] = c["pooled"]
+        if self.family in ("sdxl", "sd3"):
+            call["negative_pooled_prompt_embeds"] = e["pooled"]
+        if self.family == "pixart":
+            call.update(prompt_attention_mask=c["mask"], negative_prompt_attention_mask=e["mask"], negative_prompt=None,
+                        use_resolution_binning=False)
+        training = self.model.training
+        try:
+            latents = pipeline(**call).images
+        finally:
+            self.model.train(training)
+        if self.family == "flux":
+            latents = type(pipeline)._unpack_latents(latents, h * self.vae_scale, w * self.vae_scale, self.vae_scale)
+        return latents
+
+    def _pipeline(self):
+        """The family's pipeline over this denoiser, made once: its scheduler from the folder, no text encoders (the
+        captions come encoded) and a VAE of the folder's config without weights (latents out: the pipeline reads
+        only its config). Kept outside the module's attributes: it holds no parameters of its own."""
+        if self.model not in _DRAWERS:
+            import importlib
+
+            from diffusers import AutoencoderKL, DiffusionPipeline
+
+            index = self.folder.index
+            parts = {name: None for name in index if name.startswith(("text_encoder", "tokenizer"))}
+            with _no_weights():
+                vae = AutoencoderKL.from_config(AutoencoderKL.load_config(self.folder.path, subfolder="vae"))
+            parts.update({self.folder.family.denoiser: self.model, "vae": vae})
+            pipeline_class = getattr(importlib.import_module("diffusers"), index["_class_name"], DiffusionPipeline)
+            pipeline = pipeline_class.from_pretrained(self.folder.path, **parts)
+            pipeline.set_progress_bar_config(disable=True)
+            _DRAWERS[self.model] = pipeline
+        return _DRAWERS[self.model]
+
     def _time_ids(self, x: torch.Tensor, c: dict) -> torch.Tensor:
         """SDXL's (B, 6) size conditions: the batch's own, else (h, w, 0, 0, h, w) of the image the latents make."""
         if "time_ids" in c:
@@ -119,3 +177,60 @@ class PipelineDenoiser(nn.Module):
         b = x.shape[0]
         return {"resolution": torch.tensor([[h, w]], device=x.device, dtype=x.dtype).repeat(b, 1),
                 "aspect_ratio": torch.tensor([[h / w]], device=x.device, dtype=x.dtype).repeat(b, 1)}
+
+
+def write_pipeline(base: str, weights: dict, output: str) -> Path:
+    """A diffusers pipeline folder at ``output`` that ``DiffusionPipeline.from_pretrained`` loads: the components of
+    the pipeline folder ``base`` (copied), its denoiser's subfolder written anew with ``weights`` (a
+    ``PipelineDenoiser``'s state dict) as safetensors, which ``<Denoiser>.from_pretrained(output, subfolder=...)``
+    loads alone. Written beside ``output`` and renamed into place: a folder that is there is whole."""
+    import shutil
+    import uuid
+
+    folder = read_folder(base, "--pipeline")
+    name = folder.family.denoiser
+    state = {k.removeprefix("model."): v for k, v in weights.items()}
+    target = Path(output).expanduser().absolute()
+    if target.exists():
+        raise ConfigError(f"--output {str(output)!r} exists: remove it, or name a new folder")
+    partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        shutil.copytree(folder.path, partial, ignore=lambda where, names: [name] if Path(where) == folder.path else [])
+        model = _empty_denoiser(folder)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ConfigError(f"the checkpoint's network does not fit {folder.path / name}: {len(missing)} weights "
+                              f"missing ({', '.join(missing[:3])}), {len(unexpected)} unexpected "
+                              f"({', '.join(unexpected[:3])}): was the run trained from another pipeline?")
+        model.save_pretrained(partial / name, safe_serialization=True)
+        os.replace(partial, target)
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def _empty_denoiser(folder):
+    """The folder's denoiser class built from its config with no weights (meta tensors) when accelerate is there."""
+    import importlib
+
+    library, class_name = folder.index[folder.family.denoiser]
+    model_class = getattr(importlib.import_module(library), class_name)
+    config = model_class.load_config(folder.path, subfolder=folder.family.denoiser)
+    with _no_weights():
+        return model_class.from_config(config)
+
+
+def _no_weights():
+    """Models built inside hold meta tensors (accelerate's init_empty_weights), or random ones without accelerate."""
+    from contextlib import nullcontext
+
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:
+        return nullcontext()
+    return init_empty_weights()
+
+
+# Each denoiser's sampling pipeline, by its model (held by the pipeline too: it lives as long as the process).
+_DRAWERS: dict = {}
