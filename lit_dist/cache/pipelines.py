@@ -24,15 +24,21 @@ class Family:
     denoiser: str  # the subfolder of the trained part
     text_encoders: tuple[str, ...]  # the subfolders of its text encoders, in the pipeline's order
     flow: bool  # trained with flow matching (else a DDPM noise schedule)
+    blocks: tuple[str, ...]  # the denoiser's repeated blocks: what FSDP2 shards one by one
 
 
+_UNET_BLOCKS = ("diffusers.models.transformers.transformer_2d.Transformer2DModel", "diffusers.models.resnet.ResnetBlock2D")
 FAMILIES = (
-    Family("sd15", ("StableDiffusionPipeline",), "unet", ("text_encoder",), flow=False),
-    Family("sdxl", ("StableDiffusionXLPipeline",), "unet", ("text_encoder", "text_encoder_2"), flow=False),
+    Family("sd15", ("StableDiffusionPipeline",), "unet", ("text_encoder",), flow=False, blocks=_UNET_BLOCKS),
+    Family("sdxl", ("StableDiffusionXLPipeline",), "unet", ("text_encoder", "text_encoder_2"), flow=False,
+           blocks=_UNET_BLOCKS),
     Family("sd3", ("StableDiffusion3Pipeline",), "transformer", ("text_encoder", "text_encoder_2", "text_encoder_3"),
-           flow=True),
-    Family("flux", ("FluxPipeline",), "transformer", ("text_encoder", "text_encoder_2"), flow=True),
-    Family("pixart", ("PixArtAlphaPipeline", "PixArtSigmaPipeline"), "transformer", ("text_encoder",), flow=False),
+           flow=True, blocks=("diffusers.models.attention.JointTransformerBlock",)),
+    Family("flux", ("FluxPipeline",), "transformer", ("text_encoder", "text_encoder_2"), flow=True,
+           blocks=("diffusers.models.transformers.transformer_flux.FluxTransformerBlock",
+                   "diffusers.models.transformers.transformer_flux.FluxSingleTransformerBlock")),
+    Family("pixart", ("PixArtAlphaPipeline", "PixArtSigmaPipeline"), "transformer", ("text_encoder",), flow=False,
+           blocks=("diffusers.models.attention.BasicTransformerBlock",)),
 )
 
 

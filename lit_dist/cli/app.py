@@ -134,9 +134,13 @@ class LitDistCLI(LightningCLI):
 
         config = self.config[self.subcommand] if self.subcommand else self.config
         self._say_ignored(config)
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
         from lit_dist.cli.pipeline import fill
 
-        fill(config)  # first: the model and data a pipeline folder implies, before anything reads them
+        filled = fill(config)  # first: the model and data a pipeline folder implies, before anything reads them
+        if filled and rank_zero_only.rank == 0:
+            print(f"lit-dist: from pipeline.path: {', '.join(filled)}", flush=True)
         if self.subcommand not in (None, "fit"):
             # The run directory's config.yaml stays fit's (what a resume and these commands read): theirs beside it.
             self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": f"config-{self.subcommand}.yaml"}
@@ -151,8 +155,6 @@ class LitDistCLI(LightningCLI):
         config.trainer.default_root_dir = path
         if self.writes_run_dir:
             check_writable(path)  # on every process: each writes its own files there
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
         from lit_dist.runtime.launch import apply_launch_layout
         from lit_dist.strategies.checks import prepare_strategy
 

@@ -17,7 +17,10 @@ only what is the user's choice:
   ``timesteps``, ``snr_gamma``, ...) stays;
 - ``model.input_key``: the cached latents (``data.cache.encoder_key``);
 - ``data.cache.encoder``: the folder's VAE (``VAEEncoder``); ``data.cache.caption_encoder``: its text encoders
-  (``PipelineTextEncoder``, with ``max_length``); ``data.cache.pixels: false`` (the model reads latents).
+  (``PipelineTextEncoder``, with ``max_length``); ``data.cache.pixels: false`` (the model reads latents);
+- under FSDP2 without ``block_classes``: the family's repeated blocks (transformer blocks; a U-Net's resnets too);
+- ``data.alignment`` raised to what the denoiser takes where it is not a multiple of it (SDXL: 64 pixels, a U-Net's
+  three downsamplings of latents 8 times smaller; SD3, Flux, PixArt: 16, 2 x 2 patches).
 
 A value the config sets otherwise is one line, exit 2; the values filled in are what a run's ``config.yaml`` holds,
 so a resume from it finds them equal and goes on.
@@ -91,8 +94,34 @@ def fill(config) -> list[str]:
     _same("data.cache.caption_encoder", cache.get("caption_encoder"), text,
           "pipeline.path names the text encoders: remove data.cache.caption_encoder")
     cache.encoder, cache.caption_encoder, cache.pixels = vae, text, False
-    return ["model.net", "model.objective", "model.input_key", "data.cache.encoder", "data.cache.caption_encoder",
-            "data.cache.pixels"]
+    filled = ["model.net", "model.objective", "model.input_key", "data.cache.encoder", "data.cache.caption_encoder",
+              "data.cache.pixels"]
+    need = _alignment(folder)
+    if int(data.get("alignment") or 8) % need:
+        # Latents the denoiser cannot take (odd patches, a U-Net's downsamplings) would fail at the first step.
+        data.alignment = need * -(-int(data.get("alignment") or 8) // need)
+        filled.append(f"data.alignment {data.alignment} (a multiple of {need} pixels)")
+    strategy = config.trainer.get("strategy")
+    if getattr(strategy, "class_path", "").endswith(".FSDP2Strategy") and not strategy.init_args.get("block_classes"):
+        # The family's transformer (and resnet) blocks, and the denoiser itself: its pipeline calls it directly when
+        # drawing samples, past PipelineDenoiser's forward, so its own parameters must be a unit of their own.
+        library, class_name = folder.index[folder.family.denoiser]
+        strategy.init_args.block_classes = [*folder.family.blocks, f"{library}.{class_name}"]
+        filled.append("trainer.strategy.init_args.block_classes")
+    return filled
+
+
+def _alignment(folder) -> int:
+    """Pixels per step of a bucket side that the family's denoiser takes: the VAE's factor times the denoiser's
+    (a transformer's patch, Flux's 2 x 2 packing, a U-Net's downsamplings)."""
+    def config(name: str) -> dict:
+        return json.loads((folder.path / name / "config.json").read_text())
+
+    vae = 2 ** (len(config("vae").get("block_out_channels", [0])) - 1)
+    denoiser = config(folder.family.denoiser)
+    if folder.family.denoiser == "unet":
+        return vae * 2 ** (len(denoiser.get("block_out_channels", [0])) - 1)
+    return vae * int(denoiser.get("patch_size") or 2)
 
 
 def _plain(value):

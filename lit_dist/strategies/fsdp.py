@@ -115,7 +115,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
             apply_activation_checkpointing(net, check_fn=lambda m: isinstance(m, tuple(self.block_classes)))
             blocks = find_blocks(net, self.block_classes, "trainer.strategy.init_args.block_classes")
-        for block in blocks:
+        for block in reversed(blocks):  # inner blocks before the blocks that hold them, as fully_shard needs
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         fully_shard(net, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
         net._lit_dist_sharded = True

@@ -16,7 +16,8 @@ from lit_dist.runtime.run_dir import RunConfig, check_writable, resolve_run_id
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 from tests.helpers.small_fs import tmpfs
 
-SHIPPED = sorted(CONFIGS.glob("*.yaml"))
+FINETUNE = sorted(CONFIGS.glob("*_finetune.yaml"))  # standalone, each naming a pipeline folder of its family
+SHIPPED = sorted(set(CONFIGS.glob("*.yaml")) - set(FINETUNE))
 
 
 GPU_ONLY = {"fsdp.yaml"}  # Lightning refuses FSDP1 on CPU; FSDP2 and every DeepSpeed preset run there
@@ -34,6 +35,23 @@ def test_every_shipped_config_builds_model_data_and_trainer(config, tmp_path, de
     cli = LitDistCLI(args=args, run=False)
     assert isinstance(cli.model, LitModel)
     assert isinstance(cli.datamodule, BucketDataModule)
+    assert cli.trainer.default_root_dir.startswith(str(tmp_path))
+
+
+@pytest.mark.parametrize("config", FINETUNE, ids=lambda p: p.name)
+def test_every_finetune_config_builds_from_a_folder_of_its_family(config, tmp_path, demo_data):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from lit_dist.model.nets.pipeline import PipelineDenoiser
+    from tests.helpers.pipelines import save_pipeline
+
+    family = config.name.removesuffix("_finetune.yaml")
+    folder = save_pipeline(family, tmp_path / family)
+    cli = LitDistCLI(args=["--config", str(config), "--pipeline.path", str(folder), "--data.metadata", str(demo_data),
+                           "--data.cache.dir", str(tmp_path / "cache"), "--run.root_dir", str(tmp_path)], run=False)
+    assert isinstance(cli.model.net, PipelineDenoiser) and cli.model.net.family == family
+    assert type(cli.model.objective).__name__ == ("FlowMatching" if family in ("sd3", "flux") else "Diffusion")
+    assert cli.datamodule.cache.caption_encoder["init_args"]["pipeline"] == str(folder)
     assert cli.trainer.default_root_dir.startswith(str(tmp_path))
 
 

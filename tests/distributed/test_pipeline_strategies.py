@@ -1,0 +1,72 @@
+"""A pretrained pipeline's denoiser fine-tuned on two CPU processes under DDP, FSDP2 (its blocks sharded one by one)
+and DeepSpeed ZeRO-3, with a weight average: a run stopped mid-way and resumed ends with the uninterrupted run's
+weights and average, bitwise, and its checkpoint (sharded or partitioned) leaves as a diffusers folder."""
+
+import pytest
+import torch
+
+from lit_dist.ckpt.export import load_checkpoint_state
+from tests.conftest import CONFIGS, lit_dist
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from tests.helpers.pipelines import save_pipeline  # noqa: E402
+
+STOP, END = 3, 6
+STRATEGIES = {
+    "ddp": ["--trainer.strategy", "ddp"],
+    # No block_classes: pipeline.path fills in the family's blocks.
+    "fsdp2": ["--trainer.strategy", '{"class_path": "lit_dist.strategies.fsdp.FSDP2Strategy"}'],
+    "zero3": ["--config", str(CONFIGS / "deepspeed_zero3.yaml")],
+}
+CASES = [("sdxl", "ddp"), ("sdxl", "fsdp2"), ("flux", "ddp"), ("flux", "fsdp2"), ("flux", "zero3")]
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    from lit_dist.data.demo.shapes import create_shapes_dataset
+
+    path = tmp_path_factory.mktemp("shapes") / "metadata.parquet"
+    create_shapes_dataset(str(path), num_images=64, seed=2)
+    return path
+
+
+def fit(tmp_path, folder, shapes, strategy, run_id, *extra):
+    out = lit_dist("fit", "--pipeline.path", str(folder), *STRATEGIES[strategy], "--trainer.devices", "2",
+                   "--data.metadata", str(shapes), "--data.resolution", "32", "--data.batch_size_per_device", "4",
+                   "--data.num_workers", "0", "--data.allow_oversubscription", "true", "--data.cache.dir",
+                   str(tmp_path / "cache"), "--run.root_dir", str(tmp_path), "--run.name", "ft", "--run.run_id", run_id,
+                   "--trainer.max_steps", str(END), "--trainer.limit_val_batches", "1", "--trainer.val_check_interval",
+                   "3", "--checkpoint.every_n_epochs", "null", "--checkpoint.every_n_steps", "3", "--model.ema.decay",
+                   "0.9", "--samples.at_validation", "false", "--trainer.enable_progress_bar", "false", *extra,
+                   timeout=400)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return tmp_path / "ft" / run_id
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,strategy", CASES)
+def test_a_pipeline_resumes_bitwise_under_each_strategy_and_exports(family, strategy, shapes, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    folder = save_pipeline(family, tmp_path / family)
+    straight = fit(tmp_path, folder, shapes, strategy, "straight")
+    fit(tmp_path, folder, shapes, strategy, "resumed", "--trainer.callbacks+=tests.helpers.recorder.StopAtStep",
+        "--trainer.callbacks.step", str(STOP))
+    resumed = fit(tmp_path, folder, shapes, strategy, "resumed")
+
+    state, again = (load_checkpoint_state(str(run / "checkpoints")) for run in (straight, resumed))
+    averaged = [k for k in state if k.startswith("ema.average.")]
+    assert averaged and state.keys() == again.keys()
+    for key in state:
+        assert torch.equal(state[key], again[key]), f"{key} differs after the resume"
+
+    out = lit_dist("export", str(straight / "checkpoints"), "--output", str(tmp_path / "exported"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    denoiser = "unet" if family == "sdxl" else "transformer"
+    loaded = getattr(DiffusionPipeline.from_pretrained(tmp_path / "exported"), denoiser).state_dict()
+    trained = {k.removeprefix("net.model."): v for k, v in state.items() if k.startswith("net.model.")}
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(loaded[k], trained[k].float()) for k in trained)
