@@ -89,11 +89,12 @@ def rounded(fields: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tens
 
 
 def record(store, fingerprint: str, encoder, dtype: str) -> None:
-    """Rank 0 at a build: write the empty caption of a multi-field ``encoder`` for ``fingerprint`` (once)."""
+    """Rank 0 at a build: write the empty caption of a multi-field encoder for ``fingerprint`` (once; ``encoder``:
+    a function that gives the encoder, called only then)."""
     path = store.path("caption_encoder", FOLDER, f"{fingerprint}.npz")
     if store.fs.exists(path):
         return
-    empty = empty_caption(encoder)
+    empty = empty_caption(encoder())
     if empty is None:
         return  # one tensor per caption: stored as it is, zeros stand for no caption
     wrong = not isinstance(empty, dict) or any(not isinstance(v, torch.Tensor) or len(v) != 1 for v in empty.values())

@@ -21,6 +21,20 @@ from lit_dist.errors import ConfigError
 from lit_dist.runtime.extras import require
 
 
+def encoder_class(spec: dict, field: str = "encoder") -> type:
+    """The class ``spec`` names, imported but not built; ConfigError naming ``data.cache.<field>`` if it does not
+    import."""
+    import importlib
+
+    class_path = spec.get("class_path", "")
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"data.cache.{field}.class_path = {class_path!r} does not import ({exc}). Install the "
+                          "package that provides it (diffusers: pip install 'lit-dist[latent]') or fix the path.") from exc
+
+
 def load_encoder(spec: dict, field: str = "encoder") -> nn.Module:
     """Build ``spec`` ({class_path, init_args}) of ``data.cache.<field>`` as a frozen module in eval mode, on the CPU."""
     from lightning.pytorch.cli import instantiate_class
@@ -50,14 +64,22 @@ def weights_sha256(module: nn.Module) -> str:
     return sha.hexdigest()
 
 
-def description(spec: dict, module: nn.Module, dtype: str, field: str = "encoder", **inputs) -> dict:
+def description(spec: dict, module, dtype: str, field: str = "encoder", **inputs) -> dict:
     """Everything that makes an encoder entry what it is; its fingerprint keys the entries. The weights are named by
-    the module's ``weights_fingerprint()`` where it has one (loaded from a folder: its files, sampled), else by a
-    sha256 of every parameter and buffer."""
-    weights = module.weights_fingerprint() if hasattr(module, "weights_fingerprint") else None
-    init_args = json.loads(json.dumps(spec.get("init_args") or {}, sort_keys=True, default=str))
+    the class's ``files_fingerprint(**init_args)`` where it has one (loaded from a folder: its files, sampled,
+    without building the encoder), else by a sha256 of every parameter and buffer of ``module()`` (a function that
+    gives the built encoder)."""
+    cls = encoder_class(spec, field)
+    arguments = dict(spec.get("init_args") or {})
+    try:
+        weights = cls.files_fingerprint(**arguments) if hasattr(cls, "files_fingerprint") else None
+    except TypeError as exc:
+        raise ConfigError(f"data.cache.{field}.init_args do not fit {spec['class_path']} ({exc})") from exc
+    init_args = json.loads(json.dumps(arguments, sort_keys=True, default=str))
     if weights:  # the files stand for the folder: a copy of it elsewhere (another path) keeps the cache
-        init_args = {k: v for k, v in init_args.items() if k not in getattr(module, "FOLDER_ARGS", ())}
+        init_args = {k: v for k, v in init_args.items() if k not in getattr(cls, "FOLDER_ARGS", ())}
+    else:
+        module = module()
     return {
         "field": field,
         "class_path": spec["class_path"],
@@ -73,7 +95,7 @@ class VAEEncoder(nn.Module):
     """Latents of diffusers' ``AutoencoderKL``: (``encode(x).latent_dist`` mean (or a sample) - shift factor) x scaling
     factor, as the pipelines that use it make them."""
 
-    FOLDER_ARGS = ("pretrained",)  # the init argument that names the folder weights_fingerprint reads
+    FOLDER_ARGS = ("pretrained",)  # the init argument naming the folder files_fingerprint reads
 
     def __init__(self, pretrained: str | None = None, subfolder: str | None = None, config: dict | None = None,
                  output: Literal["mean", "sample"] = "mean", seed: int = 0):
@@ -101,7 +123,6 @@ class VAEEncoder(nn.Module):
         # Encoding needs the encoder half only; the decoder would double the memory and the weights hashed.
         self.vae.decoder, self.vae.post_quant_conv = None, None
         self.output, self.seed = output, seed
-        self.pretrained, self.subfolder = pretrained, subfolder
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) in [-1, 1]
         dist = self.vae.encode(x).latent_dist
@@ -112,9 +133,10 @@ class VAEEncoder(nn.Module):
         # SD3's and Flux's VAEs centre their latents first (shift_factor); SD 1.5's and SDXL's have none.
         return (latents - _shift(self.vae)) * self.vae.config.scaling_factor  # (B, C, H / f, W / f)
 
-    def weights_fingerprint(self) -> str | None:
+    @staticmethod
+    def files_fingerprint(pretrained: str | None = None, subfolder: str | None = None, **_) -> str | None:
         """A VAE loaded from a local folder is named by its files (cache.pipelines.files_fingerprint); else None."""
-        return _folder_fingerprint(self.pretrained, self.subfolder)
+        return _folder_fingerprint(pretrained, subfolder)
 
 
 class VAEDecoder(nn.Module):
@@ -238,7 +260,7 @@ class PipelineTextEncoder(nn.Module):
     the family's condition (lit_dist.model.nets.pipeline.CONDITION), a dict of (B, ...) tensors: ``hidden`` (the
     token states the denoiser attends to), ``pooled`` (SDXL, SD3, Flux) and ``mask`` (PixArt's T5 tokens)."""
 
-    FOLDER_ARGS = ("pipeline",)  # the init argument that names the folder weights_fingerprint reads
+    FOLDER_ARGS = ("pipeline",)  # the init argument naming the folder files_fingerprint reads
 
     def __init__(self, pipeline: str, max_length: int | None = None):
         """Load the folder's text encoders.
@@ -267,10 +289,15 @@ class PipelineTextEncoder(nn.Module):
             raise ConfigError(f"data.cache.caption_encoder.init_args.max_length = {max_length}: must be at least 1")
         self.max_length = max_length or T5_TOKENS.get(self.family)
 
-    def weights_fingerprint(self) -> str:
-        """The text encoders' and tokenizers' files (cache.pipelines.files_fingerprint): what keys the cache."""
-        names = [n for e in self.folder.family.text_encoders for n in (e, e.replace("text_encoder", "tokenizer"))]
-        return self.folder.fingerprint(*names)
+    @staticmethod
+    def files_fingerprint(pipeline: str, max_length: int | None = None) -> str:
+        """The folder's text encoders' and tokenizers' files (cache.pipelines.files_fingerprint): what keys the
+        cache, read without loading them."""
+        from lit_dist.cache.pipelines import read_folder
+
+        folder = read_folder(pipeline, "data.cache.caption_encoder.init_args.pipeline")
+        names = [n for e in folder.family.text_encoders for n in (e, e.replace("text_encoder", "tokenizer"))]
+        return folder.fingerprint(*names)
 
     def empty_caption(self) -> dict[str, torch.Tensor]:
         """The condition for "no caption", as the family's pipeline makes it with no negative prompt: the caption ""

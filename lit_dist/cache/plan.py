@@ -45,39 +45,60 @@ class CachePlan:
         self.mean, self.std = tuple(mean), tuple(std)
         self._scales: dict = {}  # device -> (mean, std) x 255, made once per device
         self.fields = config.fields()
-        self.encoder = self.caption_encoder = None
+        self._loaded: dict = {}  # field -> its encoder, loaded when first needed (a complete cache needs none)
         self.captions = None  # captions.Captions of a multi-field caption encoder, once read (read_captions)
         # The bucket settings are in every description: entries of another resolution are named as such.
         self.descriptions = {"pixels": {"field": "pixels", **keys.PIXEL_RULE, "buckets": buckets}}
         if config.encoder is not None:
-            from lit_dist.cache.encoders import description, load_encoder
+            from lit_dist.cache.encoders import description
 
-            self.encoder = load_encoder(config.encoder)
             inputs = {"crop": "centre of the bucket-sized image", "mean": list(mean), "std": list(std)}
-            self.descriptions["encoder"] = {**description(config.encoder, self.encoder, config.encoder_dtype, **inputs),
-                                            "buckets": buckets}
+            self.descriptions["encoder"] = {**description(config.encoder, lambda: self.encoder, config.encoder_dtype,
+                                                          **inputs), "buckets": buckets}
         if config.caption_encoder is not None:
-            from lit_dist.cache.encoders import description, load_encoder
+            from lit_dist.cache.encoders import description
 
-            self.caption_encoder = load_encoder(config.caption_encoder, "caption_encoder")
-            self.descriptions["caption_encoder"] = description(config.caption_encoder, self.caption_encoder,
+            self.descriptions["caption_encoder"] = description(config.caption_encoder, lambda: self.caption_encoder,
                                                                config.encoder_dtype, "caption_encoder",
                                                                text="the caption column")
         self.fingerprints = {f: keys.fingerprint(self.descriptions[f]) for f in self.fields}
         for need in needs:
             need.keys = {f: self._keys(need, f) for f in self.fields}
 
+    @property
+    def encoder(self):
+        """data.cache.encoder as a frozen module on the CPU (None without one), loaded on first use."""
+        return self._load("encoder")
+
+    @property
+    def caption_encoder(self):
+        """data.cache.caption_encoder as a frozen module on the CPU (None without one), loaded on first use."""
+        return self._load("caption_encoder")
+
+    def _load(self, field: str):
+        spec = getattr(self.config, field)
+        if spec is None:
+            return None
+        if field not in self._loaded:
+            from lit_dist.cache.encoders import load_encoder
+
+            self._loaded[field] = load_encoder(spec, field)
+        return self._loaded[field]
+
     def record_captions(self) -> None:
         """Rank 0 at a build: the empty caption (and with it the layout) of a multi-field caption encoder."""
-        if self.caption_encoder is not None:
-            captions.record(self.store, self.fingerprints["caption_encoder"], self.caption_encoder,
+        if self.config.caption_encoder is not None:
+            captions.record(self.store, self.fingerprints["caption_encoder"], lambda: self.caption_encoder,
                             self.config.encoder_dtype)
 
     def read_captions(self) -> None:
         """Every rank: the layout and empty caption a multi-field caption cache was built with (None otherwise)."""
-        if self.caption_encoder is not None:
+        if self.config.caption_encoder is not None:
+            from lit_dist.cache.encoders import encoder_class
+
             self.captions = captions.load(self.store, self.fingerprints["caption_encoder"])
-            if self.captions is None and hasattr(self.caption_encoder, "empty_caption"):
+            if self.captions is None and hasattr(encoder_class(self.config.caption_encoder, "caption_encoder"),
+                                                 "empty_caption"):
                 raise DataError(f"data.cache.dir = {self.config.dir!r} lacks caption_encoder/{captions.FOLDER}/"
                                 f"{self.fingerprints['caption_encoder']}.npz, the empty caption of its caption "
                                 "encoder: run `lit-dist cache --config <this config>`, which writes it")

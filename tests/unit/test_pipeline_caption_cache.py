@@ -138,7 +138,7 @@ def test_a_dict_encoder_needs_its_empty_caption_and_one_shape(monkeypatch, shape
     import tests.unit.test_pipeline_caption_cache as here
 
     spec = {"class_path": f"{here.__name__}._Fields", "init_args": {}}
-    with pytest.raises(ConfigError, match=r"returned \{'hidden': \(8, 5, 2\), 'pooled': \(8, 3\)\} for 8 captions, "
+    with pytest.raises(ConfigError, match=r"returned \{'hidden': \(24, 6, 2\), 'pooled': \(24, 3\)\} for 24 captions, "
                                           r"and hidden \[1, 2\], pooled \[3\] per caption for the empty caption"):
         data_module(shapes, _cache(tmp_path, "", caption_encoder=spec)).setup("fit")
     spec = {"class_path": f"{here.__name__}._Fields", "init_args": {"empty": False}}
@@ -154,3 +154,21 @@ def test_a_layout_flattens_and_unflattens_every_field():
     back = layout.unflatten(layout.flatten(fields))
     for key, value in fields.items():
         assert torch.equal(back[key], value.float())
+
+
+def test_a_complete_cache_is_read_without_loading_its_encoders(monkeypatch, folders, shapes, tmp_path):
+    from lit_dist.cache.encoders import VAEEncoder
+
+    cache = _cache(tmp_path, folders["sdxl"], encoder={"class_path": "lit_dist.cache.encoders.VAEEncoder",
+                                                      "init_args": {"pretrained": folders["sdxl"], "subfolder": "vae"}})
+    data_module(shapes, cache).setup("fit")  # built: both encoders ran
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an encoder was loaded for a cache that holds every entry")
+
+    monkeypatch.setattr(PipelineTextEncoder, "__init__", refuse)
+    monkeypatch.setattr(VAEEncoder, "__init__", refuse)
+    for mode in ("read", "build"):
+        dm = data_module(shapes, _cache(tmp_path, folders["sdxl"], mode=mode, encoder=cache.encoder))
+        dm.setup("fit")
+        assert set(_batch(dm)["caption_embedding"]) == {"hidden", "pooled"}

@@ -41,22 +41,19 @@ def test_latents_are_shifted_and_scaled_as_the_flux_pipeline_makes_them_and_deco
 
 
 def test_encoders_from_a_folder_are_named_by_their_files_the_same_elsewhere_and_changed_by_any_file(flux, tmp_path):
-    text = PipelineTextEncoder(str(flux), max_length=8)
-    vae = VAEEncoder(pretrained=str(flux), subfolder="vae")
-    before = text.weights_fingerprint(), vae.weights_fingerprint()
+    before = PipelineTextEncoder.files_fingerprint(str(flux), 8), VAEEncoder.files_fingerprint(str(flux), "vae")
     assert before[0] != before[1]
 
     copy = shutil.copytree(flux, tmp_path / "copy")  # another path, other modification times: the same files
-    assert (PipelineTextEncoder(str(copy), max_length=8).weights_fingerprint(),
-            VAEEncoder(pretrained=str(copy), subfolder="vae").weights_fingerprint()) == before
+    assert (PipelineTextEncoder.files_fingerprint(str(copy), 8), VAEEncoder.files_fingerprint(str(copy), "vae")) == before
 
     weights = copy / "text_encoder_2" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 4096] = bytes(4096)  # one block of weights, well inside the file
     weights.write_bytes(bytes(data))
-    assert PipelineTextEncoder(str(copy), max_length=8).weights_fingerprint() != before[0]
-    assert VAEEncoder(pretrained=str(copy), subfolder="vae").weights_fingerprint() == before[1]
+    assert PipelineTextEncoder.files_fingerprint(str(copy), 8) != before[0]
+    assert VAEEncoder.files_fingerprint(str(copy), "vae") == before[1]
 
     (copy / "tokenizer" / "tokenizer.json").write_text((flux / "tokenizer" / "tokenizer.json").read_text().replace("red", "rod"))
     assert files_fingerprint(copy, ["tokenizer"]) != files_fingerprint(flux, ["tokenizer"])

@@ -1,0 +1,128 @@
+"""Fine-tuning a pretrained pipeline, measured against diffusers' own training loop for it.
+
+An SDXL-shaped pipeline folder (two CLIP text encoders, a VAE, a U-Net of three levels with cross-attention and
+SDXL's added conditioning; random weights, written with save_pretrained, loaded by path) fine-tuned on the demo
+shapes by `lit-dist fit --pipeline.path` and by benchmarks/diffusers_loop.py (written as diffusers'
+train_text_to_image_sdxl.py: accelerate, the same U-Net, data, batch, resolution and precision, the VAE latents and
+caption encodings precomputed before training). Validation, samples and checkpoints are off in both: the baseline
+has none.
+
+1. step: steps/s after ``--warmup-steps``, ``--repeats`` runs of each side alternating, medians: lit-dist's over
+   the baseline's, target >= 1.0.
+2. start: seconds from the command's start to the first training step, both from nothing cached (lit-dist builds
+   its cache of latents and caption encodings in that time, the baseline its in-memory ones): the baseline's over
+   lit-dist's... as a ratio lit-dist / baseline, target <= 1.25. lit-dist's second start (its cache read, not
+   built) is reported beside it.
+
+    .venv/bin/python -m benchmarks.bench_pipeline [--images 4096] [--resolution 64] [--batch 8] [--steps 60]
+                                                  [--warmup-steps 10] [--repeats 3] [--short]
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+import torch
+
+from benchmarks.common import SHORT_HELP, machine, result_line, run_bench
+
+TARGETS = {"step_ratio": (">=", 1.0), "start_ratio": ("<=", 1.25)}
+
+
+def write_pipeline(folder: str, channels: tuple[int, ...]) -> None:
+    """The tests' tiny SDXL folder (its tokenizers and text encoders) with a U-Net of ``channels`` levels."""
+    from diffusers import UNet2DConditionModel
+
+    from tests.helpers.pipelines import save_pipeline
+
+    save_pipeline("sdxl", folder)
+    levels = len(channels)
+    unet = UNet2DConditionModel(
+        block_out_channels=channels, layers_per_block=2, sample_size=32, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (levels - 1),
+        up_block_types=("CrossAttnUpBlock2D",) * (levels - 1) + ("UpBlock2D",),
+        attention_head_dim=tuple(max(1, c // 32) for c in channels), use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=8, transformer_layers_per_block=1,
+        projection_class_embeddings_input_dim=80, cross_attention_dim=48, norm_num_groups=32)
+    shutil.rmtree(os.path.join(folder, "unet"))
+    unet.save_pretrained(os.path.join(folder, "unet"), safe_serialization=True)
+
+
+def lit_dist_run(args, folder: str, table: str, cache: str, root: str, run_id: str) -> dict:
+    return run_bench([sys.executable, "-m", "lit_dist", "fit", "--pipeline.path", folder, "--data.metadata", table,
+                      "--data.resolution", str(args.resolution), "--data.batch_size_per_device", str(args.batch),
+                      "--data.num_workers", "1", "--data.allow_oversubscription", "true", "--data.random_crop", "false",
+                      "--data.cache.dir", cache, "--model.optimizer.init_args.lr", "1e-4",
+                      "--trainer.max_steps", str(args.steps), "--trainer.limit_val_batches", "0",
+                      "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",
+                      "--trainer.accelerator", "cpu" if not torch.cuda.is_available() else "auto",
+                      "--trainer.devices", "1", "--samples.at_validation", "false", "--samples.at_end", "false",
+                      "--checkpoint.every_n_epochs", "null", "--checkpoint.save_last", "false",
+                      "--export.filename", "null", "--run.root_dir", root, "--run.run_id", run_id,
+                      "--trainer.callbacks+=benchmarks.common.StepTimer",
+                      "--trainer.callbacks.warmup_steps", str(args.warmup_steps)])
+
+
+def baseline_run(args, folder: str, table: str) -> dict:
+    return run_bench([sys.executable, "-m", "benchmarks.diffusers_loop", "--pipeline", folder, "--metadata", table,
+                      "--resolution", str(args.resolution), "--batch-size", str(args.batch), "--steps", str(args.steps),
+                      "--warmup-steps", str(args.warmup_steps)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=4096, help="demo shapes: a fine-tuning set")
+    parser.add_argument("--resolution", type=int, default=64, help="pixels a side (latents half that)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="step-time runs of each side, alternating")
+    parser.add_argument("--channels", type=int, nargs="+", default=[64, 128, 256], help="the U-Net's levels")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
+    args = parser.parse_args()
+    if args.short:
+        args.images, args.resolution, args.batch, args.steps, args.warmup_steps = 32, 32, 4, 4, 2
+        args.repeats, args.channels = 1, [32, 64]
+    torch.set_num_threads(torch.get_num_threads())
+    print(f"machine: {machine()}; U-Net levels {args.channels}, batch {args.batch}, {args.resolution} pixels, "
+          f"{args.images} demo shapes")
+    tmp = tempfile.mkdtemp(prefix="lit-dist-bench-pipeline-")
+    folder, table = os.path.join(tmp, "sdxl"), os.path.join(tmp, "shapes", "metadata.parquet")
+    from lit_dist.data.demo.shapes import create_shapes_dataset
+
+    create_shapes_dataset(table, num_images=args.images, seed=0)
+    write_pipeline(folder, tuple(args.channels))
+
+    # Cold starts first (nothing cached: lit-dist builds its cache), then the step-time runs on the built cache.
+    cache = os.path.join(tmp, "cache")
+    cold = lit_dist_run(args, folder, table, cache, os.path.join(tmp, "runs"), "cold")
+    base = baseline_run(args, folder, table)
+    ours_steps, base_steps, warm_starts = [cold["steps_per_s"]], [base["steps_per_s"]], []
+    for i in range(args.repeats - 1):
+        warm = lit_dist_run(args, folder, table, cache, os.path.join(tmp, "runs"), f"warm{i}")
+        warm_starts.append(warm["to_first_step_s"])
+        ours_steps.append(warm["steps_per_s"])
+        base_steps.append(baseline_run(args, folder, table)["steps_per_s"])
+    figures = {
+        "step_ratio": statistics.median(ours_steps) / statistics.median(base_steps),
+        "start_ratio": cold["to_first_step_s"] / base["to_first_step_s"],
+        "lit_dist_steps_per_s": ours_steps, "baseline_steps_per_s": base_steps,
+        "lit_dist_first_step_s": cold["to_first_step_s"], "baseline_first_step_s": base["to_first_step_s"],
+        "lit_dist_warm_first_step_s": warm_starts,
+    }
+    print(f"step: lit-dist {statistics.median(ours_steps):.3f} steps/s, diffusers' loop "
+          f"{statistics.median(base_steps):.3f} (x{figures['step_ratio']:.3f}); first step after "
+          f"{cold['to_first_step_s']:.1f} s (cache built) vs {base['to_first_step_s']:.1f} s "
+          f"(x{figures['start_ratio']:.3f}); lit-dist's later starts {[round(s, 1) for s in warm_starts]} s")
+    shutil.rmtree(tmp, ignore_errors=True)
+    checks = {name: (figures[name] >= target if op == ">=" else figures[name] <= target)
+              for name, (op, target) in TARGETS.items()}
+    result_line("pipeline", figures["step_ratio"], ">= 1.0", all(checks.values()), checks=checks,
+                machine=machine(), **figures, short=args.short)
+
+
+if __name__ == "__main__":
+    main()
