@@ -10,9 +10,9 @@ has none.
 1. step: steps/s after ``--warmup-steps``, ``--repeats`` runs of each side alternating, medians: lit-dist's over
    the baseline's, target >= 1.0.
 2. start: seconds from the command's start to the first training step, both from nothing cached (lit-dist builds
-   its cache of latents and caption encodings in that time, the baseline its in-memory ones): the baseline's over
-   lit-dist's... as a ratio lit-dist / baseline, target <= 1.25. lit-dist's second start (its cache read, not
-   built) is reported beside it.
+   its cache of latents and caption encodings in that time, the baseline its in-memory ones), lit-dist's over the
+   baseline's: target <= 1.25. lit-dist's later starts (its cache read, not built; the baseline encodes at every
+   start) are reported beside it.
 
     .venv/bin/python -m benchmarks.bench_pipeline [--images 4096] [--resolution 64] [--batch 8] [--steps 60]
                                                   [--warmup-steps 10] [--repeats 3] [--short]
