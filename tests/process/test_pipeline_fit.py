@@ -122,3 +122,17 @@ def test_a_changed_text_encoder_makes_the_caption_cache_stale(shapes, tmp_path):
     # The VAE is the same files at another path: its latents are kept; the captions are stale.
     assert "is incomplete for this run: caption_encoder: 0 of 48 cached" in out.stderr
     assert "differs in weights_files" in out.stderr and "init_args" not in out.stderr
+
+
+def test_an_export_that_fills_the_disk_is_one_line_and_leaves_nothing(shapes, tmp_path):
+    from tests.helpers.small_fs import tmpfs
+
+    folder = save_pipeline("sd15", tmp_path / "sd15")
+    out = lit_dist("fit", *_args(folder, shapes, tmp_path, tmp_path / "cache", steps=1))
+    assert out.returncode == 0, out.stderr[-3000:]
+    with tmpfs(tmp_path / "small", 256) as small:  # another filesystem: the components are copied, not linked
+        out = lit_dist("export", str(tmp_path / "ft" / "r" / "checkpoints"), "--output", str(small / "exported"))
+        assert out.returncode == 16, out.stderr[-3000:]
+        lines = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error")]
+        assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert list(small.iterdir()) == [], "a partial folder was left"

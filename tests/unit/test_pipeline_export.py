@@ -57,6 +57,8 @@ def test_the_exported_folder_draws_what_lit_dist_draws_with_the_run_s_weights(fa
     net = _trained(base)
     out = write_pipeline(str(base), {f"model.{k}": v for k, v in net.model.state_dict().items()}, str(tmp_path / "out"))
 
+    vae = "vae/diffusion_pytorch_model.safetensors"
+    assert (out / vae).stat().st_ino == (base / vae).stat().st_ino, "the frozen parts linked, not copied"
     loaded = getattr(DiffusionPipeline.from_pretrained(out), net.folder.family.denoiser)
     for name, value in net.model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name

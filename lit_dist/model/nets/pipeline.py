@@ -181,7 +181,7 @@ class PipelineDenoiser(nn.Module):
 
 def write_pipeline(base: str, weights: dict, output: str) -> Path:
     """A diffusers pipeline folder at ``output`` that ``DiffusionPipeline.from_pretrained`` loads: the components of
-    the pipeline folder ``base`` (copied), its denoiser's subfolder written anew with ``weights`` (a
+    the pipeline folder ``base`` (hard-linked, or copied across filesystems), its denoiser's subfolder written anew with ``weights`` (a
     ``PipelineDenoiser``'s state dict) as safetensors, which ``<Denoiser>.from_pretrained(output, subfolder=...)``
     loads alone. Written beside ``output`` and renamed into place: a folder that is there is whole."""
     import shutil
@@ -195,7 +195,14 @@ def write_pipeline(base: str, weights: dict, output: str) -> Path:
         raise ConfigError(f"--output {str(output)!r} exists: remove it, or name a new folder")
     partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
-        shutil.copytree(folder.path, partial, ignore=lambda where, names: [name] if Path(where) == folder.path else [])
+        # File by file (shutil.copytree gathers its errors into one without an errno: a full disk would be no
+        # longer told as one).
+        for source in sorted(folder.path.rglob("*")):
+            relative = source.relative_to(folder.path)
+            if relative.parts[0] == name or not source.is_file():
+                continue
+            (partial / relative).parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(source, partial / relative)
         model = _empty_denoiser(folder)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
@@ -208,6 +215,17 @@ def write_pipeline(base: str, weights: dict, output: str) -> Path:
         if partial.exists():
             shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link where the two folders share a filesystem (GBs of frozen encoders take no room and no time: neither
+    diffusers nor lit-dist writes into a weight file in place), else a copy."""
+    import shutil
+
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def _empty_denoiser(folder):
