@@ -47,6 +47,7 @@ SCHEDULE = {
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_pipeline_folder_trains_samples_and_resumes_from_its_saved_config(family, shapes, tmp_path):
+    """Every family trains and samples; SDXL and Flux also resume from the saved config, export and sample again."""
     folder = save_pipeline(family, tmp_path / family)
     out = lit_dist("fit", *_args(folder, shapes, tmp_path, tmp_path / "cache"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -63,12 +64,12 @@ def test_a_pipeline_folder_trains_samples_and_resumes_from_its_saved_config(fami
     assert (run / "samples" / "step-000000004.png").exists()
     assert "caption_encoder: 48 of 48 cached" in out.stdout + out.stderr
 
+    if family not in ("sdxl", "flux"):  # the resume, export and sample of the two that CI's time allows
+        return
     # The saved config names the folder and holds what it filled in: the same again, so it resumes as it is.
     out = lit_dist("fit", "--config", str(run / "config.yaml"), "--trainer.max_steps", "6")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from" in (out.stdout + out.stderr).lower() and "step 6/6" in out.stdout + out.stderr
-    if family not in ("sdxl", "flux"):
-        return
 
     # Out as a pipeline folder diffusers loads, with its card, and drawn from with `lit-dist sample`.
     from diffusers import DiffusionPipeline

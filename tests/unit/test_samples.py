@@ -62,7 +62,9 @@ def test_grids_at_the_asked_steps_in_png_and_tensorboard_with_their_time_and_adh
                       judge=FirstHalf())
     model, progress = fit(samples, root)
     grids = sorted(p.name for p in (Path(root) / "samples").iterdir())
-    assert grids == ["step-000000002.png", "step-000000004.png"]  # the end (step 4) was sampled once
+    # The end (step 4) was sampled once; each grid's prompts beside it, one per row.
+    assert grids == ["step-000000002.png", "step-000000002.txt", "step-000000004.png", "step-000000004.txt"]
+    assert (Path(root) / "samples" / "step-000000004.txt").read_text().splitlines() == samples._chosen
     assert Image.open(samples.last_path).size == (3 * 16, 2 * 16)  # a row per prompt, per_prompt columns
 
     events = EventAccumulator(root, size_guidance={"images": 0, "scalars": 0})
