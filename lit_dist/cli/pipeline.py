@@ -44,8 +44,8 @@ class PipelineConfig:
 
     Args:
         path: A diffusers pipeline folder (SD 1.5/2.x, SDXL, SD3, Flux, PixArt); null: none (model.net is the model).
-        gradient_checkpointing: Recompute the denoiser's activations in the backward pass: less memory, about a
-            third more time per step.
+        gradient_checkpointing: Recompute the denoiser's activations in the backward pass: less memory, the time
+            of a second forward pass.
         max_length: T5 tokens per caption (SD3, Flux, PixArt); null: the pipeline's own (256, 512, 300).
         guidance: Flux's embedded guidance while training a guidance-distilled model (Flux.1-dev); 1.0 as trained.
     """

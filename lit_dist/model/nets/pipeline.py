@@ -43,7 +43,8 @@ class PipelineDenoiser(nn.Module):
 
         Args:
             pipeline: A diffusers pipeline folder (SD 1.5/2.x, SDXL, SD3, Flux, PixArt): its unet/ or transformer/.
-            gradient_checkpointing: Recompute activations in the backward pass: less memory, about a third more time.
+            gradient_checkpointing: Recompute activations in the backward pass: less memory, the time of a second
+                forward pass.
             guidance: Flux's embedded guidance while training a guidance-distilled model (Flux.1-dev); 1.0 as trained.
         """
         super().__init__()
@@ -82,8 +83,8 @@ class PipelineDenoiser(nn.Module):
             return {"hidden": condition}
         if not isinstance(condition, dict) or not set(needed) <= condition.keys():
             given = sorted(condition) if isinstance(condition, dict) else type(condition).__name__
-            raise ConfigError(f"model.net: the {self.family} denoiser takes a condition with {', '.join(needed)}, and got "
-                              f"{given}: cache the captions with the pipeline's own text encoders")
+            raise ConfigError(f"model.net: the {self.family} denoiser takes a condition with {', '.join(needed)}, "
+                              f"and got {given}: cache the captions with the pipeline's own text encoders")
         return condition
 
     @torch.no_grad()
@@ -97,7 +98,8 @@ class PipelineDenoiser(nn.Module):
         pipeline = self._pipeline()
         b, _, h, w = noise.shape
         c = self._condition(condition)
-        e = {k: v.expand(b, *v.shape[1:]) for k, v in (empty or {k: torch.zeros_like(v[:1]) for k, v in c.items()}).items()}
+        none = empty or {k: torch.zeros_like(v[:1]) for k, v in c.items()}
+        e = {k: v.expand(b, *v.shape[1:]) for k, v in none.items()}
         call = {"height": h * self.vae_scale, "width": w * self.vae_scale, "num_inference_steps": steps,
                 "guidance_scale": guidance, "output_type": "latent", "prompt_embeds": c["hidden"],
                 "generator": torch.Generator(noise.device).manual_seed(seed)}
@@ -181,9 +183,10 @@ class PipelineDenoiser(nn.Module):
 
 def write_pipeline(base: str, weights: dict, output: str) -> Path:
     """A diffusers pipeline folder at ``output`` that ``DiffusionPipeline.from_pretrained`` loads: the components of
-    the pipeline folder ``base`` (hard-linked, or copied across filesystems), its denoiser's subfolder written anew with ``weights`` (a
-    ``PipelineDenoiser``'s state dict) as safetensors, which ``<Denoiser>.from_pretrained(output, subfolder=...)``
-    loads alone. Written beside ``output`` and renamed into place: a folder that is there is whole."""
+    the pipeline folder ``base`` (hard-linked, or copied across filesystems), its denoiser's subfolder written anew
+    with ``weights`` (a ``PipelineDenoiser``'s state dict) as safetensors, which
+    ``<Denoiser>.from_pretrained(output, subfolder=...)`` loads alone. Written beside ``output`` and renamed into
+    place: a folder that is there is whole."""
     import shutil
     import uuid
 
