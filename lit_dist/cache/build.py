@@ -17,6 +17,7 @@ build``. Order of work, the same on every rank:
    left waiting); else rank 0 publishes; barrier.
 """
 
+import functools
 import logging
 import signal
 import threading
@@ -251,14 +252,14 @@ class _Builder:
         self.caption_shape = None
         self.texts: list[tuple[int, int, str]] = []  # (sample, key, caption) not yet encoded
 
-    @property
+    @functools.cached_property
     def encoder(self):
-        """The image encoder on this rank's device, loaded when the first image needs it."""
+        """The image encoder on this rank's device, loaded and moved when the first image needs it (once)."""
         return self.plan.encoder.to(self.device)
 
-    @property
+    @functools.cached_property
     def captioner(self):
-        """The caption encoder on this rank's device, loaded when the first caption needs it."""
+        """The caption encoder on this rank's device, loaded and moved when the first caption needs it (once)."""
         return self.plan.caption_encoder.to(self.device)
 
     def add(self, d: int, rows: np.ndarray, lacking: dict, size: tuple[int, int], images: list, unreadable) -> None:
