@@ -201,7 +201,7 @@ def _check_encoder_shapes(plan: CachePlan, device: torch.device, sizes: list[tup
     shapes = {}
     with torch.inference_mode():
         for w, h in sizes:
-            out = encoder(torch.zeros(1, 3, h, w, device=device))
+            out = encoder(plan.normalised(torch.zeros(1, h, w, 3, dtype=torch.uint8, device=device)))
             if not isinstance(out, torch.Tensor) or out.ndim < 1 or out.shape[0] != 1:
                 raise ConfigError(f"data.cache.encoder ({plan.config.encoder['class_path']}) returned "
                                   f"{type(out).__name__} {getattr(out, 'shape', '')} for a batch of 1: it must return "

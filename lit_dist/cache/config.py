@@ -34,6 +34,8 @@ class CacheConfig:
         pixels: Cache each image resized to cover its bucket (uint8); the crop still happens at load.
         encoder: A frozen torch.nn.Module as {class_path, init_args}, applied to the centre crop of each image.
         encoder_dtype: dtype the encoder and caption encoder outputs are stored in: bf16, fp16 or fp32.
+        compute_dtype: dtype the encoders run in while caching: fp32, or bf16/fp16 for half their memory (a T5-XXL
+            19 GB -> 9.5 GB); auto: bf16 for a pipeline's encoders under a bf16 trainer.precision, else fp32.
         encoder_key: Batch key of the encoder outputs, (B, ...), float32 on the device.
         caption_encoder: A frozen torch.nn.Module as {class_path, init_args} mapping a list of captions to (B, ...).
         caption_key: Batch key of the caption encoder outputs, (B, ...), float32 on the device.
@@ -57,6 +59,7 @@ class CacheConfig:
     pixels: bool = True
     encoder: dict | None = None
     encoder_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     encoder_key: str = "latent"
     caption_encoder: dict | None = None
     caption_key: str = "caption_embedding"
@@ -90,6 +93,8 @@ class CacheConfig:
                        "(or read after `lit-dist cache`)")
         if self.encoder_dtype not in DTYPES:
             out.append(f"data.cache.encoder_dtype = {self.encoder_dtype!r}: must be one of {', '.join(DTYPES)}")
+        if self.compute_dtype not in ("auto", *DTYPES):
+            out.append(f"data.cache.compute_dtype = {self.compute_dtype!r}: must be auto or one of {', '.join(DTYPES)}")
         if self.pixel_layout not in PIXEL_LAYOUTS:
             out.append(f"data.cache.pixel_layout = {self.pixel_layout!r}: must be one of {', '.join(PIXEL_LAYOUTS)}")
         if self.compression not in ("zstd", "none"):
@@ -103,6 +108,11 @@ class CacheConfig:
         if self.encoder_batch_size is not None and self.encoder_batch_size < 1:
             out.append(f"data.cache.encoder_batch_size = {self.encoder_batch_size}: must be >= 1")
         return out
+
+    @property
+    def compute(self) -> str:
+        """The dtype the encoders run in (auto, where pipeline.path has not resolved it: fp32)."""
+        return "fp32" if self.compute_dtype == "auto" else self.compute_dtype
 
     @property
     def enabled(self) -> bool:

@@ -35,8 +35,12 @@ def encoder_class(spec: dict, field: str = "encoder") -> type:
                           "package that provides it (diffusers: pip install 'lit-dist[latent]') or fix the path.") from exc
 
 
-def load_encoder(spec: dict, field: str = "encoder") -> nn.Module:
-    """Build ``spec`` ({class_path, init_args}) of ``data.cache.<field>`` as a frozen module in eval mode, on the CPU."""
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_encoder(spec: dict, field: str = "encoder", dtype: str = "fp32") -> nn.Module:
+    """Build ``spec`` ({class_path, init_args}) of ``data.cache.<field>`` as a frozen module in eval mode, on the CPU,
+    its floating-point weights in ``dtype`` (data.cache.compute_dtype)."""
     from lightning.pytorch.cli import instantiate_class
 
     class_path = spec.get("class_path", "")
@@ -51,7 +55,7 @@ def load_encoder(spec: dict, field: str = "encoder") -> nn.Module:
         raise ConfigError(f"data.cache.{field}.class_path = {class_path!r} is a {type(module).__name__}, not a "
                           "torch.nn.Module")
     module.eval().requires_grad_(False)
-    return module
+    return module.to(TORCH_DTYPES[dtype]) if dtype != "fp32" else module
 
 
 def weights_sha256(module: nn.Module) -> str:
@@ -64,7 +68,7 @@ def weights_sha256(module: nn.Module) -> str:
     return sha.hexdigest()
 
 
-def description(spec: dict, module, dtype: str, field: str = "encoder", **inputs) -> dict:
+def description(spec: dict, module, dtype: str, field: str = "encoder", compute: str = "fp32", **inputs) -> dict:
     """Everything that makes an encoder entry what it is; its fingerprint keys the entries. The weights are named by
     the class's ``files_fingerprint(**init_args)`` where it has one (loaded from a folder: its files, sampled,
     without building the encoder), else by a sha256 of every parameter and buffer of ``module()`` (a function that
@@ -86,6 +90,9 @@ def description(spec: dict, module, dtype: str, field: str = "encoder", **inputs
         "init_args": init_args,
         **({"weights_files": weights} if weights else {"weights_sha256": weights_sha256(module)}),
         "dtype": dtype,
+        # Run in half precision, an encoder gives other outputs; fp32 is left out, so that caches built before the
+        # knob existed keep their keys.
+        **({"compute_dtype": compute} if compute != "fp32" else {}),
         "layout": "byte-shuffled",  # how the stored bytes are laid out: part of what an entry is
         "input": inputs,
     }

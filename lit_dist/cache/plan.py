@@ -54,13 +54,13 @@ class CachePlan:
 
             inputs = {"crop": "centre of the bucket-sized image", "mean": list(mean), "std": list(std)}
             self.descriptions["encoder"] = {**description(config.encoder, lambda: self.encoder, config.encoder_dtype,
-                                                          **inputs), "buckets": buckets}
+                                                          compute=config.compute, **inputs), "buckets": buckets}
         if config.caption_encoder is not None:
             from lit_dist.cache.encoders import description
 
             self.descriptions["caption_encoder"] = description(config.caption_encoder, lambda: self.caption_encoder,
                                                                config.encoder_dtype, "caption_encoder",
-                                                               text="the caption column")
+                                                               compute=config.compute, text="the caption column")
         self.fingerprints = {f: keys.fingerprint(self.descriptions[f]) for f in self.fields}
         for need in needs:
             need.keys = {f: self._keys(need, f) for f in self.fields}
@@ -82,7 +82,7 @@ class CachePlan:
         if field not in self._loaded:
             from lit_dist.cache.encoders import load_encoder
 
-            self._loaded[field] = load_encoder(spec, field)
+            self._loaded[field] = load_encoder(spec, field, self.config.compute)
         return self._loaded[field]
 
     def record_captions(self) -> None:
@@ -110,12 +110,15 @@ class CachePlan:
         return keys.entry_keys(need.samples, need.identity, need.sizes, self.fingerprints[name])
 
     def normalised(self, crops: torch.Tensor) -> torch.Tensor:
-        """Encoder input: uint8 crops (B, H, W, 3) as float (B, 3, H, W), normalised as training batches are."""
+        """Encoder input: uint8 crops (B, H, W, 3) as float (B, 3, H, W), normalised as training batches are, in the
+        dtype the encoders run in."""
         if crops.device not in self._scales:
             mean = torch.tensor(self.mean, device=crops.device).view(1, 3, 1, 1) * 255
             self._scales[crops.device] = mean, torch.tensor(self.std, device=crops.device).view(1, 3, 1, 1) * 255
         mean, std = self._scales[crops.device]
-        return (crops.permute(0, 3, 1, 2).float() - mean) / std
+        from lit_dist.cache.encoders import TORCH_DTYPES
+
+        return ((crops.permute(0, 3, 1, 2).float() - mean) / std).to(TORCH_DTYPES[self.config.compute])
 
     def dtype(self, name: str) -> str:
         return STORED_DTYPE.get(name, self.config.encoder_dtype)

@@ -1,9 +1,14 @@
-"""``ExportModel``: at the end of ``fit``, one consolidated full-precision ``model.pt`` in the run directory.
+"""``ExportModel``: at the end of ``fit``, the trained network in the run directory, whatever the strategy.
 
 A plain ``state_dict`` of the wrapped network (``LitModel.net``; the whole module for other
-LightningModules), in float32, loadable without lit-dist or Lightning, whatever the strategy:
+LightningModules), in float32, loadable without lit-dist or Lightning:
 
     net.load_state_dict(torch.load("runs/exp/run/model.pt", weights_only=True))
+
+For a fine-tune of a diffusers pipeline (``PipelineDenoiser``), a pipeline folder as ``lit-dist export`` writes it,
+with its model card (pipeline.path names it ``pipeline``):
+
+    DiffusionPipeline.from_pretrained("runs/exp/run/pipeline")
 
 Configured by the CLI's ``export`` group::
 
@@ -28,7 +33,7 @@ class ExportModel(Callback):
         """Export settings.
 
         Args:
-            filename: File name in the run directory for the consolidated state_dict; null turns the export off.
+            filename: Name in the run directory of the consolidated state_dict (a pipeline folder for a pipeline's denoiser); null turns the export off.
         """
         self.filename = filename
         self.path: str | None = None
@@ -43,12 +48,32 @@ class ExportModel(Callback):
             self.path = os.path.join(run_dir, self.filename)
             state = to_full_precision(strip_prefix(state))
             try:
-                save_atomically(state, self.path)
+                if not _as_pipeline(trainer, pl_module, state, self.path):
+                    save_atomically(state, self.path)
             except Exception as exc:
                 if (full := full_error(exc)) is None:
                     raise
                 last = getattr(trainer.checkpoint_callback, "last_path", None)
                 raise StorageFull(_did_not_fit(self.path, state, last, full)) from exc
+
+
+def _as_pipeline(trainer, pl_module, state: dict, path: str) -> bool:
+    """A pipeline folder with its model card at ``path`` when the network is a pipeline's denoiser (the one a
+    resumed run wrote before is replaced); False for any other network."""
+    from pathlib import Path
+
+    from lit_dist.ckpt.model_card import run_config, write_card
+    from lit_dist.model.nets.pipeline import PipelineDenoiser, write_pipeline
+
+    net = getattr(pl_module, "net", None)
+    if not isinstance(net, PipelineDenoiser):
+        return False
+    target = write_pipeline(str(net.folder.path), state, path, replace=True)
+    run = Path(path).parent
+    facts = {"step": trainer.global_step, "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__}
+    write_card(target, net.folder.path, net.family, net.folder.index["_class_name"], f"the end of the run {run}",
+               run_config(run), False, facts, run)
+    return True
 
 
 def _did_not_fit(path: str, state: dict, checkpoint: str | None, error: OSError) -> str:

@@ -51,6 +51,7 @@ class BucketDataModule(LightningDataModule):
         alignment: int = 8,
         max_aspect: float = 2.0,
         random_crop: bool = True,
+        size_conditions: bool = False,
         repeats: int = 1,
         allow_oversubscription: bool = False,
         val_fraction: float = 0.05,
@@ -85,6 +86,7 @@ class BucketDataModule(LightningDataModule):
             alignment: Bucket sides are multiples of this many pixels.
             max_aspect: Largest bucket aspect ratio, long side / short side.
             random_crop: Crop training images at a random offset (from seed, epoch, index) instead of the centre.
+            size_conditions: Give the model each image's original size and crop with its caption (SDXL's time_ids; pipeline.path sets it for SDXL).
             repeats: Times each training sample is seen per epoch.
             allow_oversubscription: Repeat buckets smaller than one global batch as often as needed instead of failing.
             val_fraction: Share of rows used for validation when the table has no split column.
@@ -131,6 +133,9 @@ class BucketDataModule(LightningDataModule):
             problems.append(f"data.mean = {list(mean)}, data.std = {list(std)}: need 3 values each, std > 0")
         if cache is not None:  # None: no cache, as in code that builds the module without the CLI
             problems += cache.problems()
+        if size_conditions and (cache is None or cache.caption_encoder is None):
+            problems.append("data.size_conditions = true gives the size conditions with a pipeline's cached captions, "
+                            "and this run caches none: set pipeline.path (SDXL), or remove data.size_conditions")
         if create_demo_if_missing and metadata is not None and "://" in metadata:
             problems.append(f"data.create_demo_if_missing needs a local data.metadata path, not {metadata!r}")
         if outage_deadline_s <= 0:
@@ -144,6 +149,7 @@ class BucketDataModule(LightningDataModule):
         self.metadata = metadata
         self.batch_size_per_device = batch_size_per_device
         self.random_crop = random_crop
+        self.size_conditions = size_conditions
         self.allow_oversubscription = allow_oversubscription
         self.val_fraction = val_fraction
         self.extra_columns = extra_columns
@@ -254,6 +260,9 @@ class BucketDataModule(LightningDataModule):
             opened = open_views(self, parts, device)
             self._cache_views, self._filler, self._fill_keys = opened.views, opened.filler, opened.fill_keys
             self._captions = opened.captions
+        if self.size_conditions and self._captions is None:  # a caption encoder that is not a pipeline's
+            raise ConfigError("data.size_conditions = true gives the size conditions with a pipeline's cached captions, "
+                              "and this run's are one tensor: set pipeline.path (SDXL), or remove data.size_conditions")
         views = self._cache_views or [None] * len(parts)
         fills = self._fill_keys or [None] * len(parts)
         for code, split in enumerate(("train", "val", "test", "predict")):
@@ -327,6 +336,9 @@ class BucketDataModule(LightningDataModule):
 
         # Only encoder outputs cached: batches carry them instead of images, and no image is opened.
         load_images = cache is None or "pixels" in cache or not cache
+        sizes = None
+        if self.size_conditions:  # (N, 2) original (width, height) by table position
+            sizes = np.stack([meta.sizes.column(name).to_numpy().astype(np.int32) for name in ("width", "height")], 1)
         return BucketImageDataset(
             root=source.image_root,
             filenames=meta.filenames,
@@ -344,6 +356,7 @@ class BucketDataModule(LightningDataModule):
             cache=cache,
             load_images=load_images,
             fill=fill,
+            sizes=sizes,
         )
 
     # -- cache ------------------------------------------------------------------------------
@@ -485,6 +498,8 @@ class BucketDataModule(LightningDataModule):
             if self._empty is None or self._empty[0] != device:  # moved once, not every batch
                 self._empty = device, {k: v.to(device) for k, v in self._captions.empty.items()}
             batch[empty_key(key)] = dict(self._empty[1])
+            if "time_ids" in batch:  # the size conditions go with the caption (never dropped with it)
+                batch[key]["time_ids"] = batch.pop("time_ids")
         if "image" in batch:  # else only encoder outputs cached: nothing to normalise
             image = batch["image"].permute(0, 3, 1, 2).float()  # (B, H, W, C) uint8 -> (B, C, H, W) float, 0..255
             if self.mean.device != image.device:  # moved once, not every batch

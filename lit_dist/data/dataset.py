@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from lit_dist.cache.shards import from_stored
-from lit_dist.reading.crops import centre_crop, crop_offsets
+from lit_dist.reading.crops import centre_crop, centre_offsets, covering_size, crop_offsets
 from lit_dist.reading.decode import covering as decode_covering
 from lit_dist.reading.decode import guard_against_bombs, reason
 from lit_dist.reading.unreadable import (
@@ -33,7 +33,9 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
     A batch is a dict: ``image`` (B, H, W, 3) uint8 (the data module makes it (B, 3, H, W) float on the device), ``label`` (B,) int64 when the
     table has labels, ``row`` (B,) int64, the metadata table row of each sample, and ``weight``
-    (B,) float32: 0 for padding that evaluation metrics must not count.
+    (B,) float32: 0 for padding that evaluation metrics must not count. Given ``sizes``, also ``time_ids`` (B, 6)
+    float32: each image's original height and width, its crop's top and left in the covering image, and the
+    bucket's height and width (SDXL's size and crop conditioning, in its order).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         cache: dict | None = None,
         load_images: bool = True,
         fill=None,
+        sizes: np.ndarray | None = None,
     ):
         self.url = root
         self.storage_options = storage_options or {}
@@ -78,6 +81,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
             view.outage_deadline_s = outage_deadline_s
         self.load_images = load_images  # False when only encoder outputs are cached: no image is opened
         self.fill = fill  # data.cache.mode ondemand: a FillKeys, which says what missing entries are written as
+        self.sizes = sizes  # (N, 2) int32 original (width, height) by table position: batches get time_ids
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
         self._logged: set[int] = set()  # bad samples already reported by this process
         # Made in the training process (loader workers get a copy): which rank's log line it is.
@@ -111,6 +115,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
                          labels=None if self.labels is None else self.labels[self.positions],
                          cache={k: v.take(self.positions) for k, v in self.cache.items()},
                          fill=None if self.fill is None else self.fill.take(self.positions),
+                         sizes=None if self.sizes is None else self.sizes[self.positions],
                          positions=np.arange(len(self.positions)), _members=None)
         return state
 
@@ -120,12 +125,15 @@ class BucketImageDataset(torch.utils.data.Dataset):
         image, images = _batch_buffer((len(indices), height, width, 3)) if self.load_images else (None, None)  # (B, H, W, C)
         arrays: dict[str, list[tuple[int, np.ndarray]]] = {}  # batch key -> (slot, array) of the samples that have it
         used = np.empty(len(indices), dtype=np.int64)
+        time_ids = np.empty((len(indices), 6), dtype=np.float32) if self.sizes is not None else None
         failures = 0
         for slot, index in enumerate(indices):
             used[slot], failed, sample = self._load(index, epoch, width, height)
             failures += failed
             if images is not None:
                 images[slot] = sample.pop("image")
+            if self.sizes is not None:
+                time_ids[slot] = sample.pop("time_ids")
             for key, array in sample.items():
                 arrays.setdefault(key, []).append((slot, array))
         batch = {
@@ -137,6 +145,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
             # Channels last, as decoded: the permute to (B, C, H, W) is a free view on the device
             # instead of a copy in the worker.
             batch["image"] = image  # (B, H, W, C) uint8
+        if time_ids is not None:
+            batch["time_ids"] = torch.from_numpy(time_ids)
         at = self.positions[used]
         if self.fill is not None:  # data.cache.mode ondemand: what this batch made for the cache
             batch.update(self.fill.batch_parts(arrays, at, {k: v.dtype for k, v in self.cache.items()}))
@@ -177,7 +187,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
     def _sample(self, index: int, epoch: int, width: int, height: int) -> dict[str, np.ndarray]:
         position = int(self.positions[index])
-        sample, encode = {}, False
+        sample, encode, crop = {}, False, None
         for key, view in self.cache.items():
             if key == "pixels":
                 continue
@@ -194,9 +204,21 @@ class BucketImageDataset(torch.utils.data.Dataset):
                 if pixels is not None:  # ondemand: the training process writes it to the cache
                     sample["_fill_pixels"] = (position, covering)
             if self.load_images:
-                sample["image"] = self._crop(covering, width, height, epoch, index)
+                left, top = self._offsets(covering.shape[1], covering.shape[0], width, height, epoch, index)
+                sample["image"] = covering[top : top + height, left : left + width]  # (H, W, C)
+                crop = left, top, covering.shape[1], covering.shape[0]
             if encode:
                 sample["_encode_input"] = (position, centre_crop(covering, width, height))
+        if self.sizes is not None:
+            original_width, original_height = (int(v) for v in self.sizes[position])
+            if crop is None:
+                # Only encoder outputs read: they were made from the centre crop of the image resized to cover the
+                # bucket, whose size follows from the table's (a JPEG decoded at a reduced scale may differ by a
+                # pixel or so: SDXL's conditioning is coarser than that).
+                covering_width, covering_height = covering_size(original_width, original_height, width, height)
+                crop = *centre_offsets(covering_width, covering_height, width, height), covering_width, covering_height
+            left, top, _, _ = crop
+            sample["time_ids"] = np.array([original_height, original_width, top, left, height, width], np.float32)
         return sample
 
     def _next_in_bucket(self, index: int) -> int:
@@ -229,13 +251,14 @@ class BucketImageDataset(torch.utils.data.Dataset):
         with self._open_fs().open(path, "rb") as f:
             return f.read()
 
-    def _crop(self, image: np.ndarray, width: int, height: int, epoch: int, index: int) -> np.ndarray:
-        free_x, free_y = image.shape[1] - width, image.shape[0] - height
+    def _offsets(self, covering_width: int, covering_height: int, width: int, height: int, epoch: int,
+                 index: int) -> tuple[int, int]:
+        """(left, top) of sample ``index``'s crop to (width, height) in its covering image."""
+        free_x, free_y = covering_width - width, covering_height - height
         if self.random_crop and (free_x or free_y):
             # From (seed, epoch, index) alone: a resumed run crops exactly as an uninterrupted one.
-            left, top = crop_offsets(self.seed, epoch, index, free_x, free_y)
-            return image[top : top + height, left : left + width]  # (H, W, C)
-        return centre_crop(image, width, height)
+            return crop_offsets(self.seed, epoch, index, free_x, free_y)
+        return centre_offsets(covering_width, covering_height, width, height)
 
 
 def _batch_buffer(shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:

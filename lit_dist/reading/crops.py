@@ -23,7 +23,19 @@ def crop_offsets(seed: int, epoch: int, index: int, free_x: int, free_y: int) ->
     return (word & 0xFFFFFFFF) % (free_x + 1), (word >> 32) % (free_y + 1)
 
 
+def covering_size(image_width: int, image_height: int, width: int, height: int) -> tuple[int, int]:
+    """(W', H'): the size an image of ``image_width`` x ``image_height`` is resized to so that it covers (width,
+    height) whole, keeping its aspect ratio; the crop to the bucket is taken from it."""
+    scale = max(width / image_width, height / image_height)
+    return max(width, round(image_width * scale)), max(height, round(image_height * scale))
+
+
+def centre_offsets(covering_width: int, covering_height: int, width: int, height: int) -> tuple[int, int]:
+    """The evaluation crop's (left, top) in a covering image: its centre."""
+    return (covering_width - width) // 2, (covering_height - height) // 2
+
+
 def centre_crop(image: np.ndarray, width: int, height: int) -> np.ndarray:
     """The evaluation crop: the centre (width, height) of a covering image."""
-    top, left = (image.shape[0] - height) // 2, (image.shape[1] - width) // 2
+    left, top = centre_offsets(image.shape[1], image.shape[0], width, height)
     return image[top : top + height, left : left + width]

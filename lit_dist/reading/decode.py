@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 
+from lit_dist.reading.crops import covering_size
 from lit_dist.reading.unreadable import BadImage, decode_errors
 
 
@@ -26,8 +27,7 @@ def covering(data: bytes, width: int, height: int) -> np.ndarray:
         img = ImageOps.exif_transpose(img).convert("RGB")
     except decode_errors() as exc:
         raise BadImage(reason(exc)) from exc
-    scale = max(width / img.width, height / img.height)
-    resized = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
+    resized = covering_size(img.width, img.height, width, height)
     if resized != img.size:
         img = img.resize(resized, Image.BILINEAR, reducing_gap=3.0)
     return np.asarray(img)  # (H', W', C)

@@ -6,6 +6,7 @@ changed text encoder makes the caption cache stale."""
 import shutil
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import lit_dist
@@ -61,6 +62,7 @@ def test_a_pipeline_folder_trains_samples_and_resumes_from_its_saved_config(fami
     assert {k: model["objective"]["init_args"][k] for k in schedule} == schedule
     cache = saved["data"]["init_args"]["cache"]
     assert cache["caption_encoder"]["class_path"].endswith("PipelineTextEncoder") and cache["pixels"] is False
+    assert saved["data"]["init_args"]["size_conditions"] is (family == "sdxl"), "SDXL's time_ids from each image"
     assert (run / "samples" / "step-000000004.png").exists()
     assert "caption_encoder: 48 of 48 cached" in out.stdout + out.stderr
 
@@ -83,6 +85,16 @@ def test_a_pipeline_folder_trains_samples_and_resumes_from_its_saved_config(fami
     assert "- steps: 6, about 24 images seen (4 per step)" in card and str(folder) in card
     assert (tmp_path / "exported" / "samples.png").read_bytes() == (run / "samples" / "step-000000006.png").read_bytes()
     DiffusionPipeline.from_pretrained(tmp_path / "exported")
+    # The end of each run wrote its weights as a folder too (export.filename: pipeline, filled in), the resume's in
+    # place of the first run's: the same as the export of the last checkpoint.
+    from safetensors.torch import load_file
+
+    part = "unet" if family == "sdxl" else "transformer"
+    ended, exported = (load_file(next((where / part).glob("*.safetensors"))) for where in (run / "pipeline",
+                                                                                          tmp_path / "exported"))
+    assert ended.keys() == exported.keys() and all(torch.equal(ended[k], exported[k]) for k in ended)
+    assert "- steps: 6," in (run / "pipeline" / "README.md").read_text()
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".pipeline")) == [], "nothing left beside it"
     out = lit_dist("sample", "--config", str(run / "config.yaml"), "--checkpoint", str(run / "checkpoints"),
                    "--prompt", "a red circle on a white background", "--num", "2", "--steps", "2", "--output",
                    str(tmp_path / "grid.png"))

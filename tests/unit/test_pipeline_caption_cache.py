@@ -172,3 +172,86 @@ def test_a_complete_cache_is_read_without_loading_its_encoders(monkeypatch, fold
         dm = data_module(shapes, _cache(tmp_path, folders["sdxl"], mode=mode, encoder=cache.encoder))
         dm.setup("fit")
         assert set(_batch(dm)["caption_embedding"]) == {"hidden", "pooled"}
+
+
+@pytest.fixture(scope="module")
+def odd_sizes(tmp_path_factory):
+    """Six captioned images of three sizes, none of its bucket's shape: each is resized and cropped."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("odd")
+    rng = np.random.default_rng(0)
+    sizes = [(70, 38), (38, 90), (53, 47)] * 2  # (width, height)
+    names = []
+    for i, (w, h) in enumerate(sizes):
+        names.append(f"{i}.png")
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(root / names[-1])
+    pq.write_table(pa.table({"filename": names, "width": [w for w, _ in sizes], "height": [h for _, h in sizes],
+                             "caption": [f"image {i}" for i in range(6)], "split": ["train"] * 6}),
+                   root / "metadata.parquet")
+    return root / "metadata.parquet"
+
+
+@pytest.mark.parametrize("cached", ["pixels", "latents"])
+def test_sdxl_s_size_conditions_are_each_image_s_own_size_and_crop(cached, folders, odd_sizes, tmp_path):
+    """time_ids = (original height, width, crop top, left, bucket height, width), the crop being where the image
+    (random crop, from a pixel cache) or the cached latents (the centre crop) were taken from the image resized to
+    cover its bucket."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    vae = {"class_path": "lit_dist.cache.encoders.VAEEncoder",
+           "init_args": {"pretrained": folders["sdxl"], "subfolder": "vae"}}
+    cache = _cache(tmp_path, folders["sdxl"], **({"pixels": False, "encoder": vae} if cached == "latents" else {}))
+    dm = data_module(odd_sizes, cache, size_conditions=True, batch_size_per_device=1, random_crop=True, alignment=16)
+    dm.setup("fit")
+    table = pq.read_table(odd_sizes).to_pydict()
+    dataset = dm._splits["train"]
+    seen = 0
+    for raw in dm.train_dataloader():
+        batch = dm.on_after_batch_transfer(raw, 0)
+        time_ids = batch["caption_embedding"]["time_ids"]
+        row = int(batch["row"][0])
+        index = int(np.flatnonzero(dataset.rows == row)[0])
+        h, w = (int(v) for v in time_ids[0, 4:])
+        covering = dataset.covering(index, w, h)  # decoded here: the crop's frame, found independently
+        top, left = int(time_ids[0, 2]), int(time_ids[0, 3])
+        assert time_ids[0, :2].tolist() == [table["height"][row], table["width"][row]]
+        if cached == "pixels":
+            expected = covering[top : top + h, left : left + w]
+            image = (batch["image"][0] * 0.5 + 0.5) * 255  # the data module's normalisation, undone
+            assert np.abs(image.permute(1, 2, 0).numpy() - expected).max() < 1e-3
+        else:
+            assert (top, left) == ((covering.shape[0] - h) // 2, (covering.shape[1] - w) // 2)
+            latent_h, latent_w = batch["latent"].shape[-2:]
+            assert h * latent_w == w * latent_h, "the target size is the bucket the latents were made at"
+        seen += 1
+    assert seen == 6
+    with pytest.raises(ConfigError, match="data.size_conditions = true .* caches none: set pipeline.path"):
+        data_module(odd_sizes, None, size_conditions=True)
+
+
+def test_encoders_run_in_the_compute_dtype_and_it_keys_the_cache(folders, shapes, tmp_path):
+    """data.cache.compute_dtype bf16: the VAE and the text encoders cache in bf16 (half their memory), their entries
+    keyed apart from fp32's, and within bf16's rounding of them."""
+    vae = {"class_path": "lit_dist.cache.encoders.VAEEncoder",
+           "init_args": {"pretrained": folders["sdxl"], "subfolder": "vae"}}
+    batches, plans = {}, {}
+    for dtype in ("fp32", "bf16"):
+        dm = data_module(shapes, _cache(tmp_path, folders["sdxl"], pixels=False, encoder=vae, compute_dtype=dtype,
+                                        encoder_dtype="fp32"))
+        dm.setup("fit")
+        batches[dtype], plans[dtype] = _batch(dm), dm.cache_plan(dm.read())
+    assert plans["fp32"].fingerprints.keys() == plans["bf16"].fingerprints.keys()
+    for name, fingerprint in plans["fp32"].fingerprints.items():
+        assert plans["bf16"].fingerprints[name] != fingerprint, f"{name}: a bf16 encoder's entries are other entries"
+    for name in ("encoder", "caption_encoder"):
+        weights = {p.dtype for p in plans["bf16"]._load(name).parameters()}
+        assert weights == {torch.bfloat16}, (name, weights)
+    assert not torch.equal(batches["fp32"]["latent"], batches["bf16"]["latent"])
+    torch.testing.assert_close(batches["bf16"]["latent"], batches["fp32"]["latent"], rtol=0.05, atol=0.05)
+    for key, value in batches["fp32"]["caption_embedding"].items():
+        torch.testing.assert_close(batches["bf16"]["caption_embedding"][key], value, rtol=0.05, atol=0.05, msg=key)

@@ -39,12 +39,11 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
         pipeline: The pipeline folder the run fine-tuned; default: pipeline.path of the run's config.yaml.
         dtype: Floating-point type of the weights written: fp32, or bf16/fp16 for half the size.
     """
-    from lit_dist.cli.model_card import run_dir_of
+    from lit_dist.ckpt.model_card import run_config, run_dir_of
 
     if not os.path.exists(checkpoint):
         raise DataError(f"checkpoint {checkpoint!r} does not exist")
-    run = run_dir_of(checkpoint)
-    config = _read_config(run / "config.yaml") if run is not None else {}
+    config = run_config(run_dir_of(checkpoint))
     base = pipeline or (config.get("pipeline") or {}).get("path")
     if format == "auto":
         format = "diffusers" if base else "safetensors" if output.endswith(".safetensors") else "state_dict"
@@ -63,23 +62,15 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
     print(f"lit-dist export: {len(state)} tensors ({count:,} values, {dtype}) from {checkpoint} -> {output} ({format})")
 
 
-def _read_config(path) -> dict:
-    import yaml
-
-    try:
-        return yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise DataError(f"{path} cannot be read ({exc}): give the pipeline folder with --pipeline") from exc
-
-
 def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dict, ema: bool) -> None:
     from lit_dist.cache.pipelines import read_folder
-    from lit_dist.cli.model_card import write_card
+    from lit_dist.ckpt.model_card import checkpoint_facts, run_dir_of, write_card
     from lit_dist.model.nets.pipeline import write_pipeline
 
     folder = read_folder(base, "--pipeline")
     target = write_pipeline(base, state, output)
-    write_card(target, folder.path, folder.family.name, folder.index["_class_name"], checkpoint, config, ema)
+    write_card(target, folder.path, folder.family.name, folder.index["_class_name"], f"checkpoint `{checkpoint}`",
+               config, ema, checkpoint_facts(checkpoint), run_dir_of(checkpoint))
 
 
 def _safetensors(state: dict, output: str) -> None:

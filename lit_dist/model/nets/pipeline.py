@@ -24,8 +24,9 @@ from lit_dist.errors import ConfigError
 from lit_dist.runtime.extras import require
 
 # The condition each family's denoiser takes, by key: the caption cache's fields. SDXL also takes each sample's size
-# and crop conditioning, ``time_ids`` (original height and width, crop top and left, target height and width); without
-# them it gets what its pipeline gives by default: the image's own size, uncropped.
+# and crop conditioning, ``time_ids`` (original height and width, crop top and left, target height and width), which
+# the data module puts beside the caption (data.size_conditions); without them (samples) it gets what its pipeline
+# gives by default: the image's own size, uncropped.
 CONDITION = {
     "sd15": ("hidden",),
     "sdxl": ("hidden", "pooled"),
@@ -181,12 +182,13 @@ class PipelineDenoiser(nn.Module):
                 "aspect_ratio": torch.tensor([[h / w]], device=x.device, dtype=x.dtype).repeat(b, 1)}
 
 
-def write_pipeline(base: str, weights: dict, output: str) -> Path:
+def write_pipeline(base: str, weights: dict, output: str, replace: bool = False) -> Path:
     """A diffusers pipeline folder at ``output`` that ``DiffusionPipeline.from_pretrained`` loads: the components of
     the pipeline folder ``base`` (hard-linked, or copied across filesystems), its denoiser's subfolder written anew
     with ``weights`` (a ``PipelineDenoiser``'s state dict) as safetensors, which
     ``<Denoiser>.from_pretrained(output, subfolder=...)`` loads alone. Written beside ``output`` and renamed into
-    place: a folder that is there is whole."""
+    place: a folder that is there is whole. With ``replace``, a folder at ``output`` is replaced (once the new one
+    is whole), else refused."""
     import shutil
     import uuid
 
@@ -194,7 +196,7 @@ def write_pipeline(base: str, weights: dict, output: str) -> Path:
     name = folder.family.denoiser
     state = {k.removeprefix("model."): v for k, v in weights.items()}
     target = Path(output).expanduser().absolute()
-    if target.exists():
+    if target.exists() and not replace:
         raise ConfigError(f"--output {str(output)!r} exists: remove it, or name a new folder")
     partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
@@ -213,7 +215,13 @@ def write_pipeline(base: str, weights: dict, output: str) -> Path:
                               f"missing ({', '.join(missing[:3])}), {len(unexpected)} unexpected "
                               f"({', '.join(unexpected[:3])}): was the run trained from another pipeline?")
         model.save_pretrained(partial / name, safe_serialization=True)
-        os.replace(partial, target)
+        if target.exists():  # replace: the old folder out of the way first (a folder is not renamed over another)
+            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(target, old)
+            os.replace(partial, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(partial, target)
     finally:
         if partial.exists():
             shutil.rmtree(partial, ignore_errors=True)

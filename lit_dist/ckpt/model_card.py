@@ -1,8 +1,9 @@
 """The model card (``README.md``) of an exported pipeline folder: what it was fine-tuned from, how, and what it drew.
 
-Written by ``lit-dist export --format diffusers`` from what the run left beside the checkpoint: its ``config.yaml``,
-the checkpoint's ``COMPLETE.json`` (step, world size) and the last sample grid at or before that step with its
-prompts (``samples/step-N.png`` and ``.txt``), which is copied into the folder as ``samples.png``.
+Written by ``lit-dist export --format diffusers`` from what the run left beside the checkpoint (its ``config.yaml``,
+the checkpoint's ``COMPLETE.json``: step, world size), and by the ``export`` callback at the end of a run (the
+trainer's step and world size); in both, the last sample grid at or before that step with its prompts
+(``samples/step-N.png`` and ``.txt``) is copied into the folder as ``samples.png``.
 """
 
 import re
@@ -35,10 +36,26 @@ def checkpoint_facts(checkpoint: str) -> dict:
     return checkpoint_facts(str(steps[-1].parent)) if steps else {}
 
 
-def write_card(folder: Path, base: Path, family: str, pipeline_class: str, checkpoint: str, config: dict,
-               ema: bool) -> None:
-    """``folder/README.md`` (and ``samples.png`` when the run drew one) for the pipeline fine-tuned from ``base``."""
-    facts = checkpoint_facts(checkpoint)
+def run_config(run: Path | None) -> dict:
+    """A run directory's saved ``config.yaml`` as a dict; {} without a run directory."""
+    import yaml
+
+    from lit_dist.errors import DataError
+
+    if run is None:
+        return {}
+    path = run / "config.yaml"
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise DataError(f"{path} cannot be read ({exc}): give the pipeline folder with --pipeline") from exc
+
+
+def write_card(folder: Path, base: Path, family: str, pipeline_class: str, source: str, config: dict, ema: bool,
+               facts: dict, run: Path | None) -> None:
+    """``folder/README.md`` (and ``samples.png`` when the run drew one) for the pipeline fine-tuned from ``base``:
+    ``source`` says where the weights came from, ``facts`` the step, world size and strategy, ``run`` is the run
+    directory (its samples)."""
     step = facts.get("step")
     model = (config.get("model") or {}).get("init_args") or {}
     data = (config.get("data") or {}).get("init_args") or {}
@@ -66,7 +83,7 @@ def write_card(folder: Path, base: Path, family: str, pipeline_class: str, check
         "",
         "## Training",
         "",
-        f"- checkpoint: `{checkpoint}`" + (" (its weight average)" if ema else ""),
+        f"- weights: {source}" + (" (its weight average)" if ema else ""),
     ]
     if step is not None:
         images = f", about {int(step) * batch:,} images seen ({batch} per step)" if batch else ""
@@ -83,7 +100,7 @@ def write_card(folder: Path, base: Path, family: str, pipeline_class: str, check
                      f"lr_scaling {model.get('lr_scaling', 'none')}, warmup {model.get('warmup_steps', 0)} steps")
     if data.get("resolution"):
         lines.append(f"- resolution: {data['resolution']} pixels (aspect-ratio buckets)")
-    grid = _last_grid(checkpoint, step)
+    grid = _last_grid(run, step)
     if grid is not None:
         shutil.copy2(grid, folder / "samples.png")
         prompts = grid.with_suffix(".txt").read_text().splitlines() if grid.with_suffix(".txt").is_file() else []
@@ -93,8 +110,7 @@ def write_card(folder: Path, base: Path, family: str, pipeline_class: str, check
     (folder / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def _last_grid(checkpoint: str, step) -> Path | None:
-    run = run_dir_of(checkpoint)
+def _last_grid(run: Path | None, step) -> Path | None:
     if run is None:
         return None
     grids = []
