@@ -24,6 +24,22 @@ MODEL = "lit_dist.model.module.LitModel"
 DATA = "lit_dist.data.datamodule.BucketDataModule"
 
 
+def strategy_classes(argv: list[str]) -> list[str]:
+    """``--trainer.strategy a.b.Class`` as ``{"class_path": "a.b.Class"}``: Lightning's ``trainer.strategy`` takes a
+    string as a registered strategy's name ("ddp"), so a dotted class path there would reach its registry and fail."""
+    import json
+    import re
+
+    dotted = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--trainer.strategy" and i + 1 < len(out) and dotted.fullmatch(out[i + 1]):
+            out[i + 1] = json.dumps({"class_path": out[i + 1]})
+        elif arg.startswith("--trainer.strategy=") and dotted.fullmatch(arg.split("=", 1)[1]):
+            out[i] = "--trainer.strategy=" + json.dumps({"class_path": arg.split("=", 1)[1]})
+    return out
+
+
 class LitDistCLI(LightningCLI):
     """LightningCLI whose model and data default to ``LitModel`` and ``BucketDataModule``.
 
@@ -128,6 +144,15 @@ class LitDistCLI(LightningCLI):
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+
+    def parse_arguments(self, parser, args) -> None:
+        if not isinstance(args, dict) and not hasattr(args, "as_dict"):
+            given = sys.argv[1:] if args is None else list(args)
+            rewritten = strategy_classes(given)
+            if rewritten != given:  # parsed here: LightningCLI warns when it is handed args beside sys.argv
+                self.config = parser.parse_args(rewritten)
+                return
+        super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:
         from jsonargparse import Namespace

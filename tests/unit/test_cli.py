@@ -55,6 +55,19 @@ def test_every_finetune_config_builds_from_a_folder_of_its_family(config, tmp_pa
     assert cli.trainer.default_root_dir.startswith(str(tmp_path))
 
 
+def test_a_strategy_class_named_on_the_command_line_is_that_class(tmp_path, demo_data):
+    """Lightning's trainer.strategy takes a string as a registered name: a dotted class path is made a class_path
+    (both flag forms), a name stays a name."""
+    from lit_dist.cli.app import strategy_classes
+    from lit_dist.strategies.fsdp import FSDP2Strategy
+
+    for form in (["--trainer.strategy", "lit_dist.strategies.fsdp.FSDP2Strategy"],
+                 ["--trainer.strategy=lit_dist.strategies.fsdp.FSDP2Strategy"]):
+        cli = LitDistCLI(args=[*quickstart_args(tmp_path, demo_data), *form], run=False)
+        assert isinstance(cli.trainer.strategy, FSDP2Strategy), form
+    assert strategy_classes(["--trainer.strategy", "ddp", "--x", "a.b"]) == ["--trainer.strategy", "ddp", "--x", "a.b"]
+
+
 def test_deepspeed_json_that_disagrees_with_the_run_is_refused(tmp_path):
     import json
     from types import SimpleNamespace
