@@ -88,3 +88,29 @@ def test_an_existing_output_or_a_network_of_another_pipeline_is_one_line(tmp_pat
     with pytest.raises(ConfigError, match="does not fit .*unet: .* missing .*was the run trained from another pipeline"):
         write_pipeline(str(base), {"model.other.weight": torch.zeros(1)}, str(tmp_path / "new"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "there"], "nothing left of the failed export"
+
+
+def test_a_replaced_folder_is_whole_and_what_a_killed_export_left_is_removed(tmp_path):
+    """replace=True (the end of a resumed run) swaps the folder once the new one is whole; the half-written folders
+    of an export killed mid-way (its process gone) go, those of a running one stay."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    base = save_pipeline("sd15", tmp_path / "base")
+    net = PipelineDenoiser(str(base))
+    weights = {f"model.{k}": v for k, v in net.model.state_dict().items()}
+    write_pipeline(str(base), weights, str(tmp_path / "out"))
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    host = socket.gethostname()
+    left = [tmp_path / f".out.partial-{host}-{dead}-0a1b2c3d", tmp_path / f".out.old-{host}-{dead}-0a1b2c3d"]
+    running = tmp_path / f".out.partial-{host}-{os.getpid()}-4e5f6a7b"
+    for path in (*left, running):
+        (path / "unet").mkdir(parents=True)
+    changed = {k: v + 1 if v.is_floating_point() else v for k, v in weights.items()}
+    write_pipeline(str(base), changed, str(tmp_path / "out"), replace=True)
+    loaded = PipelineDenoiser(str(tmp_path / "out")).model.state_dict()
+    assert all(torch.equal(loaded[k.removeprefix("model.")], v) for k, v in changed.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["base", "out", running.name])

@@ -190,6 +190,7 @@ def write_pipeline(base: str, weights: dict, output: str, replace: bool = False)
     place: a folder that is there is whole. With ``replace``, a folder at ``output`` is replaced (once the new one
     is whole), else refused."""
     import shutil
+    import socket
     import uuid
 
     folder = read_folder(base, "--pipeline")
@@ -198,7 +199,10 @@ def write_pipeline(base: str, weights: dict, output: str, replace: bool = False)
     target = Path(output).expanduser().absolute()
     if target.exists() and not replace:
         raise ConfigError(f"--output {str(output)!r} exists: remove it, or name a new folder")
-    partial = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    _remove_leftovers(target)
+    # Named by host and process: a later export removes what one killed mid-way left (_remove_leftovers).
+    mark = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial = target.with_name(f".{target.name}.partial-{mark}")
     try:
         # File by file (shutil.copytree gathers its errors into one without an errno: a full disk would be no
         # longer told as one).
@@ -216,7 +220,7 @@ def write_pipeline(base: str, weights: dict, output: str, replace: bool = False)
                               f"({', '.join(unexpected[:3])}): was the run trained from another pipeline?")
         model.save_pretrained(partial / name, safe_serialization=True)
         if target.exists():  # replace: the old folder out of the way first (a folder is not renamed over another)
-            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+            old = target.with_name(f".{target.name}.old-{mark}")
             os.replace(target, old)
             os.replace(partial, target)
             shutil.rmtree(old, ignore_errors=True)
@@ -226,6 +230,22 @@ def write_pipeline(base: str, weights: dict, output: str, replace: bool = False)
         if partial.exists():
             shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+def _remove_leftovers(target: Path) -> None:
+    """The half-written folders (``.NAME.partial-HOST-PID-*``, ``.NAME.old-HOST-PID-*``) that an export of ``target``
+    killed mid-way left beside it: those of this host whose process is gone."""
+    import shutil
+    import socket
+
+    from lit_dist.runtime.processes import alive
+
+    host = socket.gethostname()
+    for kind in ("partial", "old"):
+        for path in target.parent.glob(f".{target.name}.{kind}-{host}-*"):
+            pid = path.name.removeprefix(f".{target.name}.{kind}-{host}-").split("-")[0]
+            if pid.isdigit() and not alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
