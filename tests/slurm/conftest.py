@@ -12,22 +12,12 @@ import pytest
 from tests.conftest import REPO
 from tests.slurm import cluster
 
-# What measures time runs alone, after the rest (.ci/test's serial part): the preflight's read rates and the scaling
-# efficiency would be another test's load, not the ranks'.
-TIMED = ("test_preflight.py::", "test_multi_node.py::test_scale_")
-
 
 def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/slurm/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.slurm)
-            if any(name in item.nodeid for name in TIMED):
-                item.add_marker(pytest.mark.serial)
-            else:
-                # One cluster, one set of emulated nodes per machine: the other Slurm tests one after another in one
-                # pytest process (xdist's loadgroup), beside the rest of the parallel part, where they mostly wait
-                # on the cluster and their jobs.
-                item.add_marker(pytest.mark.xdist_group("slurm"))
+            item.add_marker(pytest.mark.serial)  # one cluster, one set of emulated nodes per machine
 
 
 @pytest.fixture(scope="session")
