@@ -72,7 +72,14 @@ def run(metadata, node_index_dir, nodes: bool = False) -> dict:
     return results
 
 
-def test_the_node_reads_the_table_once_and_every_rank_gets_the_epoch_it_would_read_itself(tmp_path, demo_data):
+@pytest.fixture(scope="module")
+def private(demo_data) -> dict:
+    """What each rank gets reading the table itself (no node_index_dir): what every test compares with."""
+    return run(demo_data, None)
+
+
+def test_the_node_reads_the_table_once_and_every_rank_gets_the_epoch_it_would_read_itself(tmp_path, demo_data,
+                                                                                           private):
     shm = tmp_path / "shm"
     shm.mkdir()
     # What a killed run left: an index folder whose owner process is gone. The next start removes it.
@@ -81,7 +88,6 @@ def test_the_node_reads_the_table_once_and_every_rank_gets_the_epoch_it_would_re
     stale.mkdir()
     (stale / "owner.json").write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename}))
     shared = run(demo_data, str(shm))
-    private = run(demo_data, None)
     for rank in range(WORLD):
         batches, names, mapped, classes = shared[rank]
         assert mapped and all(str(shm) in path for path in mapped), f"rank {rank} maps the node's index: {mapped}"
@@ -92,20 +98,18 @@ def test_the_node_reads_the_table_once_and_every_rank_gets_the_epoch_it_would_re
     assert os.listdir(shm) == [], "the index folder is removed once mapped; the stale one at the start"
 
 
-def test_without_a_usable_folder_every_rank_reads_the_table(tmp_path, demo_data, capfd):
+def test_without_a_usable_folder_every_rank_reads_the_table(tmp_path, demo_data, capfd, private):
     results = run(demo_data, str(tmp_path / "missing"))
-    private = run(demo_data, None)
     for rank in range(WORLD):
         assert results[rank][2] == [] and results[rank][:2] == private[rank][:2]
     err = capfd.readouterr().err
     assert "every rank reads the metadata itself (no shared index: " in err and "is not a writable folder" in err, err
 
 
-def test_a_node_that_falls_back_runs_the_same_collectives_as_one_that_shares(tmp_path, demo_data, capfd):
+def test_a_node_that_falls_back_runs_the_same_collectives_as_one_that_shares(tmp_path, demo_data, capfd, private):
     shm = tmp_path / "shm"
     shm.mkdir()
     mixed = run(demo_data, str(shm), nodes=True)  # a mismatch of collectives would hang here (the queue's timeout)
-    private = run(demo_data, None)
     assert mixed[0][2] and mixed[1][2] == [], "node0 maps its index, node1 reads the table itself"
     for rank in range(WORLD):
         assert mixed[rank][:2] == private[rank][:2]

@@ -35,11 +35,24 @@ def shapes(tmp_path_factory):
     return path
 
 
-def fit(tmp_path, folder, shapes, strategy, run_id, *extra):
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """family -> (its pipeline folder, its cache folder), made by the first case of the family and shared by the
+    others: the caches are built under the first case's strategy, and read under the others'."""
+    root, out = tmp_path_factory.mktemp("pipelines"), {}
+
+    def get(family: str):
+        if family not in out:
+            out[family] = save_pipeline(family, root / family), root / f"{family}-cache"
+        return out[family]
+    return get
+
+
+def fit(tmp_path, folder, cache, shapes, strategy, run_id, *extra):
     out = lit_dist("fit", "--pipeline.path", str(folder), *STRATEGIES[strategy], "--trainer.devices", "2",
                    "--data.metadata", str(shapes), "--data.resolution", "32", "--data.batch_size_per_device", "4",
                    "--data.num_workers", "0", "--data.allow_oversubscription", "true", "--data.cache.dir",
-                   str(tmp_path / "cache"), "--run.root_dir", str(tmp_path), "--run.name", "ft", "--run.run_id", run_id,
+                   str(cache), "--run.root_dir", str(tmp_path), "--run.name", "ft", "--run.run_id", run_id,
                    "--trainer.max_steps", str(END), "--trainer.limit_val_batches", "1", "--trainer.val_check_interval",
                    "3", "--checkpoint.every_n_epochs", "null", "--checkpoint.every_n_steps", "3", "--model.ema.decay",
                    "0.9", "--samples.at_validation", "false", "--trainer.enable_progress_bar", "false", *extra,
@@ -50,15 +63,15 @@ def fit(tmp_path, folder, shapes, strategy, run_id, *extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,strategy", CASES)
-def test_a_pipeline_resumes_bitwise_under_each_strategy_and_exports(family, strategy, shapes, tmp_path):
+def test_a_pipeline_resumes_bitwise_under_each_strategy_and_exports(family, strategy, shapes, made, tmp_path):
     from diffusers import DiffusionPipeline
 
-    folder = save_pipeline(family, tmp_path / family)
-    straight, _ = fit(tmp_path, folder, shapes, strategy, "straight")
+    folder, cache = made(family)
+    straight, _ = fit(tmp_path, folder, cache, shapes, strategy, "straight")
     # The straight run's save at step STOP, alone in a run of its own: what a run stopped there leaves.
     shutil.copytree(straight / "checkpoints" / f"step-{STOP:09d}", tmp_path / "ft" / "resumed" / "checkpoints" /
                     f"step-{STOP:09d}")
-    resumed, said = fit(tmp_path, folder, shapes, strategy, "resumed")
+    resumed, said = fit(tmp_path, folder, cache, shapes, strategy, "resumed")
     assert f"resuming from {tmp_path / 'ft' / 'resumed' / 'checkpoints' / f'step-{STOP:09d}'}" in said, said[-2000:]
 
     state, again = (load_checkpoint_state(str(run / "checkpoints")) for run in (straight, resumed))
