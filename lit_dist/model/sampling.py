@@ -165,7 +165,8 @@ def encode_prompts(objective: Generative, data, prompts: list[str], field: str =
     from lit_dist.cache.captions import empty_caption
     from lit_dist.cache.encoders import load_encoder
 
-    encoder = load_encoder(spec, "caption_encoder", data.cache.compute)  # as the cache's captions were encoded
+    # In the dtype the cache's captions were encoded in (a data module's own cache object may not say: fp32).
+    encoder = load_encoder(spec, "caption_encoder", getattr(data.cache, "compute", "fp32"))
     with torch.no_grad():
         condition = encoder(list(prompts))  # (P, ...), or a dict of them
         if not isinstance(condition, dict):
