@@ -44,6 +44,9 @@ class CachePlan:
         self.needs = needs
         self.mean, self.std = tuple(mean), tuple(std)
         self._scales: dict = {}  # device -> (mean, std) x 255, made once per device
+        from lit_dist.cache.encoders import TORCH_DTYPES
+
+        self._compute = TORCH_DTYPES[config.compute]  # the encoders' dtype, and so their inputs'
         self.fields = config.fields()
         self._loaded: dict = {}  # field -> its encoder, loaded when first needed (a complete cache needs none)
         self.captions = None  # captions.Captions of a multi-field caption encoder, once read (read_captions)
@@ -116,9 +119,7 @@ class CachePlan:
             mean = torch.tensor(self.mean, device=crops.device).view(1, 3, 1, 1) * 255
             self._scales[crops.device] = mean, torch.tensor(self.std, device=crops.device).view(1, 3, 1, 1) * 255
         mean, std = self._scales[crops.device]
-        from lit_dist.cache.encoders import TORCH_DTYPES
-
-        return ((crops.permute(0, 3, 1, 2).float() - mean) / std).to(TORCH_DTYPES[self.config.compute])
+        return ((crops.permute(0, 3, 1, 2).float() - mean) / std).to(self._compute)
 
     def dtype(self, name: str) -> str:
         return STORED_DTYPE.get(name, self.config.encoder_dtype)

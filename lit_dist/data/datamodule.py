@@ -265,11 +265,15 @@ class BucketDataModule(LightningDataModule):
                               "and this run's are one tensor: set pipeline.path (SDXL), or remove data.size_conditions")
         views = self._cache_views or [None] * len(parts)
         fills = self._fill_keys or [None] * len(parts)
+        # (N, 2) original (width, height) by table position, once per dataset: the splits share it as their columns.
+        sizes = [np.stack([meta.sizes.column(name).to_numpy().astype(np.int32) for name in ("width", "height")], 1)
+                 if self.size_conditions else None for meta, _, _ in parts]
         for code, split in enumerate(("train", "val", "test", "predict")):
             chosen = [np.flatnonzero(splits == code) if code < 3 else np.arange(len(meta)) for meta, _, splits in parts]
-            datasets = [self._dataset(source, meta, rows, buckets[rows], self.random_crop and split == "train", view, fill)
-                        for source, (meta, buckets, _), rows, view, fill in zip(self.sources, parts, chosen, views, fills,
-                                                                               strict=True)]
+            datasets = [self._dataset(source, meta, rows, buckets[rows], self.random_crop and split == "train", view, fill,
+                                      size)
+                        for source, (meta, buckets, _), rows, view, fill, size in zip(self.sources, parts, chosen, views,
+                                                                                     fills, sizes, strict=True)]
             self._splits[split] = self._combine(datasets)
         if len(self._splits["train"]) == 0 and stage == "fit":
             raise DataError(f"{', '.join(s.table_path for s in self.sources)}: no training rows "
@@ -331,14 +335,11 @@ class BucketDataModule(LightningDataModule):
         return MixedDataset(datasets, groups)
 
     def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool, cache: dict | None = None,
-                 fill=None):
+                 fill=None, sizes: np.ndarray | None = None):
         from lit_dist.data.dataset import BucketImageDataset
 
         # Only encoder outputs cached: batches carry them instead of images, and no image is opened.
         load_images = cache is None or "pixels" in cache or not cache
-        sizes = None
-        if self.size_conditions:  # (N, 2) original (width, height) by table position
-            sizes = np.stack([meta.sizes.column(name).to_numpy().astype(np.int32) for name in ("width", "height")], 1)
         return BucketImageDataset(
             root=source.image_root,
             filenames=meta.filenames,

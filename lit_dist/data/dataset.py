@@ -206,7 +206,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
             if self.load_images:
                 left, top = self._offsets(covering.shape[1], covering.shape[0], width, height, epoch, index)
                 sample["image"] = covering[top : top + height, left : left + width]  # (H, W, C)
-                crop = left, top, covering.shape[1], covering.shape[0]
+                crop = left, top
             if encode:
                 sample["_encode_input"] = (position, centre_crop(covering, width, height))
         if self.sizes is not None:
@@ -215,9 +215,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
                 # Only encoder outputs read: they were made from the centre crop of the image resized to cover the
                 # bucket, whose size follows from the table's (a JPEG decoded at a reduced scale may differ by a
                 # pixel or so: SDXL's conditioning is coarser than that).
-                covering_width, covering_height = covering_size(original_width, original_height, width, height)
-                crop = *centre_offsets(covering_width, covering_height, width, height), covering_width, covering_height
-            left, top, _, _ = crop
+                crop = centre_offsets(*covering_size(original_width, original_height, width, height), width, height)
+            left, top = crop
             sample["time_ids"] = np.array([original_height, original_width, top, left, height, width], np.float32)
         return sample
 
