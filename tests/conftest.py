@@ -23,6 +23,7 @@ compat.plain_console()
 # Before any helper is imported: then a failed assert in tests/helpers/ shows its operands, as in a test module.
 pytest.register_assert_rewrite("tests.helpers")
 
+from tests.helpers import schedule  # noqa: E402
 from tests.helpers.processes import left_after, session_processes  # noqa: E402
 from tests.helpers.zygote import SWITCH_ENV as ZYGOTE_SWITCH  # noqa: E402
 from tests.helpers.zygote import Zygote  # noqa: E402
@@ -33,9 +34,15 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 
 
+def pytest_configure(config):
+    config.pluginmanager.register(schedule.Order(), "lit-dist-order")
+    if os.environ.get(schedule.RECORD_ENV) == "1" and not hasattr(config, "workerinput"):  # xdist's workers report here
+        config.pluginmanager.register(schedule.Recorder(), "lit-dist-durations")
+
+
 def pytest_collection_modifyitems(items):
-    # The modules that hold a slow test first, each module's tests together (its fixtures are made once): tests
-    # run in this order three at a time (.ci/test), and a three-minute test that starts last ends the run late.
+    # The modules that hold a slow test first, each module's tests together (its fixtures are made once); in
+    # several workers (.ci/test), tests/helpers/schedule.py then lays out what -m and -k selected.
     slow = {item.path for item in items if "slow" in item.keywords}
     items.sort(key=lambda item: item.path not in slow)
     tiers = {"distributed", "slurm", "s3", "gpu", "process"}
