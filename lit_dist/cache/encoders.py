@@ -12,6 +12,7 @@ Any ``torch.nn.Module`` works: it gets the image batch (B, 3, H, W), normalised 
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -55,7 +56,8 @@ def load_encoder(spec: dict, field: str = "encoder", dtype: str = "fp32") -> nn.
         raise ConfigError(f"data.cache.{field}.class_path = {class_path!r} is a {type(module).__name__}, not a "
                           "torch.nn.Module")
     module.eval().requires_grad_(False)
-    return module.to(TORCH_DTYPES[dtype]) if dtype != "fp32" else module
+    # fp32 too: a half-precision folder (--variant fp16) loads its text encoders as stored (transformers' dtype auto).
+    return module.to(TORCH_DTYPES[dtype])
 
 
 def weights_sha256(module: nn.Module) -> str:
@@ -98,6 +100,14 @@ def description(spec: dict, module, dtype: str, field: str = "encoder", compute:
     }
 
 
+def _variant(pretrained: str, subfolder: str | None) -> str | None:
+    """The weights variant a local folder's VAE has (cache.pipelines.weights_variant); None for a hub id."""
+    from lit_dist.cache.pipelines import weights_variant
+
+    folder = Path(pretrained).expanduser() / (subfolder or "")
+    return weights_variant(folder, "data.cache.encoder.init_args.pretrained") if folder.is_dir() else None
+
+
 class VAEEncoder(nn.Module):
     """Latents of diffusers' ``AutoencoderKL``: (``encode(x).latent_dist`` mean (or a sample) - shift factor) x scaling
     factor, as the pipelines that use it make them."""
@@ -122,7 +132,7 @@ class VAEEncoder(nn.Module):
         if (pretrained is None) == (config is None):
             raise ConfigError("data.cache.encoder.init_args: give VAEEncoder exactly one of pretrained or config")
         if pretrained is not None:
-            self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder)
+            self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder, variant=_variant(pretrained, subfolder))
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
@@ -157,7 +167,7 @@ class VAEDecoder(nn.Module):
         from diffusers import AutoencoderKL
 
         if pretrained is not None:
-            self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder)
+            self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder, variant=_variant(pretrained, subfolder))
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)  # the same draws as VAEEncoder's: the same weights

@@ -9,6 +9,7 @@ the pipeline's own encoders; it sits here, in the caches' band, so that both can
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,11 +62,55 @@ class PipelineFolder:
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"{field} = {str(self.path)!r}: its {name} is a {library}.{class_name}, which does not "
                               f"import here ({exc}): update {library}") from exc
-        return model_class.from_pretrained(self.path, subfolder=name)
+        return model_class.from_pretrained(self.path, subfolder=name, variant=weights_variant(self.path / name, field))
 
     def fingerprint(self, *names: str) -> str:
         """What the components ``names`` (subfolders) are, without reading their weights whole: see files_fingerprint."""
         return files_fingerprint(self.path, names)
+
+
+def _download(repo_id: str, field: str) -> Path:
+    """The hub pipeline ``repo_id``'s snapshot in the Hugging Face cache, with what its pipeline loads (diffusers'
+    choice of files: no single-file checkpoints beside the components); only the cache with HF_HUB_OFFLINE=1."""
+    from lit_dist.runtime.extras import require
+
+    require("diffusers", f"{field} = {repo_id!r} (a hub id)")
+    import diffusers
+    from huggingface_hub import constants
+
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        return Path(diffusers.DiffusionPipeline.download(repo_id, local_files_only=offline))
+    except Exception as exc:  # noqa: BLE001 - whatever the hub or the cache said, the user gets one line
+        where = "in the Hugging Face cache (HF_HUB_OFFLINE=1)" if offline else "in the Hugging Face cache or on the hub"
+        raise ConfigError(f"{field} = {repo_id!r} is no folder, and no pipeline of that id is {where} "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): download it "
+                          f"beforehand (huggingface-cli download {repo_id} --local-dir FOLDER) and give the "
+                          "folder, or check the id and the network") from exc
+
+
+def weights_variant(folder: Path, field: str) -> str | None:
+    """The variant to load ``folder``'s weights as: None where it has plain weights files, else the one variant it
+    holds (a folder downloaded with ``--variant fp16`` has only ``*.fp16.safetensors``); a ConfigError naming
+    ``field`` where it holds only several variants."""
+    variants = {m["variant"] for p in Path(folder).glob("*") if (m := _WEIGHTS_NAME.fullmatch(p.name))}
+    if None in variants or not variants:
+        return None
+    if len(variants) > 1:
+        raise ConfigError(f"{field}: {folder} holds the weights variants {', '.join(sorted(variants))} and no plain "
+                          "weights: keep one variant's files in it")
+    return variants.pop()
+
+
+def plain_name(filename: str, variant: str) -> str:
+    """``filename`` of ``variant``'s files as the plain one's: diffusion_pytorch_model.fp16.safetensors ->
+    diffusion_pytorch_model.safetensors, model.fp16-00001-of-00002.safetensors -> model-00001-of-00002.safetensors,
+    model.safetensors.index.fp16.json -> model.safetensors.index.json; other names as they are."""
+    if (m := _WEIGHTS_NAME.fullmatch(filename)) and m["variant"] == variant:
+        return filename.replace(f".{variant}", "", 1)
+    if filename.endswith(f".index.{variant}.json"):
+        return filename.removesuffix(f".{variant}.json") + ".json"
+    return filename
 
 
 # A weight file is fingerprinted by its size, its header and SAMPLES reads of SAMPLE_BYTES spread over it: a few MB
@@ -97,10 +142,20 @@ def files_fingerprint(root: Path, names) -> str:
     return sha.hexdigest()
 
 
+# A hub repository id (owner/name), as opposed to a relative path: no "./", "~", "..", nor more than one "/".
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
+# A weights file's name: plain (model.safetensors, model-00001-of-00002.safetensors) or a variant's
+# (diffusion_pytorch_model.fp16.safetensors, model.fp16-00001-of-00002.safetensors).
+_WEIGHTS_NAME = re.compile(r"[^.]+(?:\.(?P<variant>[^.-]+))?(?:-\d+-of-\d+)?\.(?:safetensors|bin)")
+
+
 def read_folder(path: str | Path, field: str = "model.net.init_args.pipeline") -> PipelineFolder:
-    """The pipeline folder at ``path`` and its family; a ConfigError (exit 2) naming ``field`` for a path that is no
-    pipeline folder or a pipeline of a family lit-dist does not know."""
+    """The pipeline folder at ``path`` (a folder, or a hub id: its snapshot in the Hugging Face cache, downloaded
+    there if missing) and its family; a ConfigError (exit 2) naming ``field`` for a path that is no pipeline folder,
+    a hub id that is neither cached nor reachable, or a pipeline of a family lit-dist does not know."""
     folder = Path(path).expanduser()
+    if not folder.exists() and isinstance(path, str) and _REPO_ID.fullmatch(path):
+        folder = _download(path, field)
     index_path = folder / "model_index.json"
     if not index_path.is_file():
         what = "is not a folder" if not folder.is_dir() else "has no model_index.json"

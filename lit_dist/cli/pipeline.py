@@ -1,7 +1,7 @@
 """The ``pipeline`` group: one key names a pretrained diffusers pipeline folder, and the run config follows from it.
 
     pipeline:
-      path: /models/stable-diffusion-xl-base-1.0    # what `huggingface-cli download ... --local-dir` wrote
+      path: /models/stable-diffusion-xl-base-1.0    # what `huggingface-cli download ... --local-dir` wrote, or a hub id
       gradient_checkpointing: true
     data:
       metadata: /data/photos.parquet
@@ -47,7 +47,8 @@ class PipelineConfig:
     """A pretrained diffusers pipeline to fine-tune.
 
     Args:
-        path: A diffusers pipeline folder (SD 1.5/2.x, SDXL, SD3, Flux, PixArt); null: none (model.net is the model).
+        path: A diffusers pipeline folder (SD 1.5/2.x, SDXL, SD3, Flux, PixArt) or hub id (its snapshot in the Hugging
+            Face cache, downloaded if missing); null: none (model.net is the model).
         gradient_checkpointing: Recompute the denoiser's activations in the backward pass: less memory, the time
             of a second forward pass.
         max_length: T5 tokens per caption (SD3, Flux, PixArt); null: the pipeline's own (256, 512, 300).
@@ -153,8 +154,12 @@ def _same(field: str, given, filled, fix: str) -> None:
     ours, theirs = _plain(filled), _plain(given)
     theirs_args = {k: v for k, v in (theirs.get("init_args") or {}).items() if v is not None}
     ours_args = {k: v for k, v in (ours.get("init_args") or {}).items() if v is not None}
-    if theirs.get("class_path") != ours["class_path"] or any(theirs_args.get(k) != v for k, v in ours_args.items()):
+    if theirs.get("class_path") != ours["class_path"]:
         raise ConfigError(f"{field} is set to {theirs.get('class_path')} and pipeline.path fills it: {fix}")
+    for k, v in ours_args.items():
+        if theirs_args.get(k) != v:  # e.g. a saved config.yaml whose hub id's snapshot has changed since
+            raise ConfigError(f"{field}.init_args.{k} = {theirs_args.get(k)!r} and pipeline.path fills in {v!r}: "
+                              f"{fix}")
 
 
 def _objective(folder, given):

@@ -26,14 +26,17 @@ FAMILIES = ("sd15", "sdxl", "sd3", "flux", "pixart")
 _WORDS = ("a", "on", "background", *CLASSES, *COLOURS)
 
 
-def save_pipeline(family: str, folder: Path, seed: int = 0) -> Path:
-    """Write a tiny pipeline of ``family`` (one of FAMILIES) to ``folder``; returns ``folder``."""
+def save_pipeline(family: str, folder: Path, seed: int = 0, variant: str | None = None) -> Path:
+    """Write a tiny pipeline of ``family`` (one of FAMILIES) to ``folder``; with ``variant="fp16"``, as a download
+    with ``--variant fp16`` holds it: half-precision weights in ``*.fp16.safetensors`` files only. Returns ``folder``."""
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory() as scratch:  # the tokenizers' source files: save_pretrained writes their own
         pipeline = globals()[f"_{family}"](Path(scratch))
-        pipeline.save_pretrained(folder, safe_serialization=True)
+        if variant == "fp16":
+            pipeline.to(torch.float16)
+        pipeline.save_pretrained(folder, safe_serialization=True, variant=variant)
     return Path(folder)
 
 

@@ -149,3 +149,41 @@ def test_an_export_that_fills_the_disk_is_one_line_and_leaves_nothing(shapes, tm
         lines = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error")]
         assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
         assert list(small.iterdir()) == [], "a partial folder was left"
+
+
+def test_a_hub_id_trains_from_its_cached_half_precision_snapshot_and_exports_a_plain_folder(shapes, tmp_path):
+    """`pipeline.path: owner/name` as on a cluster whose Hugging Face cache holds a download with --variant fp16
+    (HF_HUB_OFFLINE=1: nothing here reaches the network); an id that is not cached is one line, exit 2."""
+    hub = tmp_path / "hf"
+    repo = hub / "hub" / "models--lit-dist--tiny-sd15"
+    save_pipeline("sd15", repo / "snapshots" / ("0" * 40), variant="fp16")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    env = {"HF_HOME": str(hub), "HF_HUB_OFFLINE": "1"}
+    out = lit_dist("fit", *_args("lit-dist/tiny-sd15", shapes, tmp_path, tmp_path / "cache", steps=2), env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = yaml.safe_load((tmp_path / "ft" / "r" / "config.yaml").read_text())
+    assert saved["pipeline"]["path"] == "lit-dist/tiny-sd15"
+    assert saved["model"]["init_args"]["net"]["init_args"]["pipeline"] == str(repo / "snapshots" / ("0" * 40))
+
+    # The frozen parts' fp16 files come out under the plain names: the folder loads without a variant.
+    from diffusers import DiffusionPipeline
+
+    out = lit_dist("export", str(tmp_path / "ft" / "r" / "checkpoints"), "--output", str(tmp_path / "exported"),
+                   env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not list((tmp_path / "exported").rglob("*.fp16.*"))
+    pipeline = DiffusionPipeline.from_pretrained(tmp_path / "exported")
+    assert pipeline.unet.dtype == torch.float32 and pipeline.text_encoder.dtype == torch.float16
+
+    # The id's snapshot changed since (a newer download): the saved config names the old one; one line, exit 2.
+    shutil.copytree(repo / "snapshots" / ("0" * 40), repo / "snapshots" / ("1" * 40))
+    (repo / "refs" / "main").write_text("1" * 40)
+    out = lit_dist("fit", "--config", str(tmp_path / "ft" / "r" / "config.yaml"), "--trainer.max_steps", "3", env=env)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error")]
+    assert out.returncode == 2 and len(lines) == 1 and "0" * 40 in lines[0] and "1" * 40 in lines[0], out.stderr[-2000:]
+
+    out = lit_dist("fit", *_args("lit-dist/not-cached", shapes, tmp_path, tmp_path / "cache"), env=env)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error")]
+    assert out.returncode == 2 and len(lines) == 1 and "huggingface-cli download lit-dist/not-cached" in lines[0], \
+        out.stderr[-2000:]

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lit_dist.cache.pipelines import read_folder
+from lit_dist.cache.pipelines import plain_name, read_folder, weights_variant
 from lit_dist.errors import ConfigError
 from lit_dist.runtime.extras import require
 
@@ -206,12 +206,22 @@ def write_pipeline(base: str, weights: dict, output: str, replace: bool = False)
     try:
         # File by file (shutil.copytree gathers its errors into one without an errno: a full disk would be no
         # longer told as one).
+        variants = {}  # a component whose weights are one variant's only (--variant fp16): out under the plain names
         for source in sorted(folder.path.rglob("*")):
             relative = source.relative_to(folder.path)
             if relative.parts[0] == name or not source.is_file():
                 continue
-            (partial / relative).parent.mkdir(parents=True, exist_ok=True)
-            _link_or_copy(source, partial / relative)
+            if len(relative.parts) > 1 and relative.parts[0] not in variants:
+                variants[relative.parts[0]] = weights_variant(folder.path / relative.parts[0], "--pipeline")
+            variant = variants.get(relative.parts[0]) if len(relative.parts) > 1 else None
+            destination = partial / relative.parent / (plain_name(source.name, variant) if variant else source.name)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            if variant and source.name.endswith(".json") and destination.name != source.name:  # a sharded model's index
+                index = json.loads(source.read_text())
+                index["weight_map"] = {k: plain_name(v, variant) for k, v in index.get("weight_map", {}).items()}
+                destination.write_text(json.dumps(index, indent=2))
+            else:
+                _link_or_copy(source, destination)
         model = _empty_denoiser(folder)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
