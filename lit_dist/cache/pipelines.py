@@ -81,7 +81,7 @@ def _download(repo_id: str, field: str) -> Path:
     offline = constants.HF_HUB_OFFLINE
     try:
         return Path(diffusers.DiffusionPipeline.download(repo_id, local_files_only=offline))
-    except Exception as exc:  # noqa: BLE001 - whatever the hub or the cache said, the user gets one line
+    except (OSError, ValueError) as exc:  # the hub's errors (not found, gated, not cached offline); a malformed id
         where = "in the Hugging Face cache (HF_HUB_OFFLINE=1)" if offline else "in the Hugging Face cache or on the hub"
         raise ConfigError(f"{field} = {repo_id!r} is no folder, and no pipeline of that id is {where} "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): download it "
