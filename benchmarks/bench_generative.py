@@ -27,24 +27,16 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 
-from benchmarks.common import ROOT, SHORT_HELP, machine, result_line, run_bench
+from benchmarks.common import SHORT_HELP, lit_dist, machine, result_line, run_bench
 
 PROMPTS = ("a red circle on a white background; a blue square on a yellow background; "
            "a green triangle on a black background; a white cross on a blue background")
-
-
-def lit_dist(*args: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "lit_dist", *args], cwd=ROOT, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"lit-dist {' '.join(args)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    return out
 
 
 def timer(args) -> list[str]:

@@ -19,24 +19,16 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 
-from benchmarks.common import ROOT, SHORT_HELP, machine, result_line, run_bench
+from benchmarks.common import SHORT_HELP, lit_dist, machine, result_line, run_bench
 
 TARGET = 0.8
 JUDGE = "lit_dist.data.demo.judge.ShapesJudge"
-
-
-def lit_dist(*args: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "lit_dist", *args], cwd=ROOT, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"lit-dist {' '.join(args)} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return out
 
 
 def train_judge(tmp: str, table: str, epochs: int | None) -> str:

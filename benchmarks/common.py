@@ -7,6 +7,7 @@ import platform
 import resource
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
@@ -106,6 +107,16 @@ SHORT_HELP = "a quick run that checks the benchmark works; its figures mean noth
 # tests/process/test_benchmarks.py lowers it for the short runs.
 COMMAND_TIMEOUT_S = float(os.environ.get("LIT_DIST_BENCH_COMMAND_TIMEOUT_S", 7200))
 TAG_ENV = "LIT_DIST_BENCH_TAG"  # in the environment of every process a benchmark command starts
+
+
+def lit_dist(*args: str) -> subprocess.CompletedProcess:
+    """``lit-dist ARGS`` from the repository root (a command whose figures are not read, e.g. cache, export, sample);
+    a RuntimeError with the ends of its output if it fails."""
+    out = subprocess.run([sys.executable, "-m", "lit_dist", *args], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"lit-dist {' '.join(args)} failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n"
+                           f"{out.stderr[-4000:]}")
+    return out
 
 
 def run_bench(cmd: list[str], env: dict | None = None) -> dict:
