@@ -3,9 +3,10 @@
     python -m tests.helpers.kill_driver ROOT METADATA KILLS SEED [CHECKPOINT_URL STORAGE_OPTIONS_JSON]
 
 Imports lit-dist once, then forks one training process per round (so a round costs the training,
-not the imports) and, after each kill, checks what a user would rely on: every checkpoint at a
-final path matches its manifest, ``latest`` names a complete checkpoint, and ``ckpt_path: auto``
-finds one. Prints a JSON summary on its last line.
+not the imports). Rounds alternate: a random moment into a save (on local disk), a random moment
+after the round's first new checkpoint, and any moment at all. After each kill it checks what a
+user would rely on: every checkpoint at a final path matches its manifest, ``latest`` names a
+complete checkpoint, and ``ckpt_path: auto`` finds one. Prints a JSON summary on its last line.
 
 The parent never runs a torch operation: forking after one would copy a started OpenMP pool.
 """
@@ -82,13 +83,20 @@ def main(root: str, metadata: str, kills: int, seed: int, url: str | None = None
         except OSError:
             pass  # the child did it first
         deadline = time.monotonic() + 60
-        # An object store shows no upload in progress: there, every kill is at a random moment.
+        # An object store shows no upload in progress: there, those rounds kill at a random moment.
         if round % 2 and store.local:  # wait for a save to start, then kill a random moment into it
             while saving(folder) and time.monotonic() < deadline:
                 time.sleep(0.0005)  # what the last kill left is not this run's save: it cleans that first
             while not saving(folder) and time.monotonic() < deadline:
                 time.sleep(0.0005)
             time.sleep(rng.uniform(0, 0.05))
+        elif round % 4 == 2:  # after this run's first new checkpoint: training, saving or cleaning up
+            # On a loaded machine start-up alone can outlast any fixed wait, and kills that all land
+            # before the first save test nothing about resuming from one.
+            newest = max(store.complete(), default="")
+            while max(store.complete(), default="") <= newest and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.5))
         else:  # any moment: start-up, loading, training or saving
             time.sleep(rng.uniform(1.0, 4.0))
         during = saving(folder)

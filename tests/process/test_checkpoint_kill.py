@@ -1,8 +1,8 @@
 """SIGKILL during saves, many times: no torn file at a final path, and ``ckpt_path: auto`` always resumes.
 
 10 kills by default (about 30 s; ``LIT_DIST_KILLS=200`` for a longer run). Half of them land a
-random moment into a save, half at any moment (start-up, loading, training, saving); one round in
-three saves asynchronously. See tests/helpers/kill_driver.py.
+random moment into a save, a quarter a random moment after the round's first new checkpoint, the
+rest at any moment (start-up, loading, training, saving); one round in three saves asynchronously. See tests/helpers/kill_driver.py.
 """
 
 import json
