@@ -16,8 +16,7 @@ from tests.slurm import cluster
 def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/slurm/" in str(item.fspath).replace(os.sep, "/"):
-            item.add_marker(pytest.mark.slurm)
-            item.add_marker(pytest.mark.serial)  # one cluster, one set of emulated nodes per machine
+            item.add_marker(pytest.mark.slurm)  # one cluster per machine: .ci/test runs them in one process
 
 
 @pytest.fixture(scope="session")

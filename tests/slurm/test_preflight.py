@@ -10,9 +10,13 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from lit_dist.errors import ExitCode
 from tests.conftest import REPO, quickstart_args
+
+# It compares the ranks' speeds against each other: with other tests beside it, a busy core looks like a slow rank.
+pytestmark = pytest.mark.serial
 
 FLAGS = ["--data.batch_size_per_device", "8", "--data.num_workers", "0", "--preflight.seconds", "1",
          "--preflight.io_mb", "8", "--preflight.allreduce_mb", "4"]
