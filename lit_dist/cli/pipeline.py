@@ -186,10 +186,14 @@ def _objective(folder, given):
             if name in scheduler:
                 setattr(args, name, scheduler[name])
     else:
+        if scheduler.get("trained_betas") is not None:
+            raise ConfigError(f"pipeline.path: {where} lists its own betas (trained_betas); lit-dist trains with a "
+                              "named beta_schedule: set trained_betas to null and the beta_schedule it came from")
         args.prediction = scheduler.get("prediction_type", "epsilon")
         args.beta_schedule = scheduler.get("beta_schedule", "linear")
         args.beta_start = float(scheduler.get("beta_start", 0.0001))
         args.beta_end = float(scheduler.get("beta_end", 0.02))
         args.num_train_timesteps = int(scheduler.get("num_train_timesteps", 1000))
+        args.rescale_betas_zero_snr = bool(scheduler.get("rescale_betas_zero_snr", False))
     args.condition = "caption"
     return Namespace(class_path=wanted, init_args=args)

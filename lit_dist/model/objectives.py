@@ -285,7 +285,7 @@ class Diffusion(Generative):
                  condition_dropout: float = 0.1, null_label: int | None = None,
                  timesteps: Literal["uniform", "logit_normal"] = "uniform", logit_mean: float = 0.0,
                  logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0, beta_start: float = 0.0001,
-                 beta_end: float = 0.02):
+                 beta_end: float = 0.02, rescale_betas_zero_snr: bool = False):
         """Train a denoiser by diffusion.
 
         Args:
@@ -304,6 +304,8 @@ class Diffusion(Generative):
             eval_seed: Seed of the validation loss's noises (one per sample, by its metadata row).
             beta_start: The schedule's first beta (Stable Diffusion's scheduler: 0.00085).
             beta_end: The schedule's last beta (Stable Diffusion's scheduler: 0.012).
+            rescale_betas_zero_snr: Rescale the schedule so that its last step is pure noise (Lin et al. 2023; needs
+                v_prediction): an image's overall colour then comes from the caption, not from the noise.
         """
         super().__init__(condition, condition_key, condition_dropout, null_label, timesteps, logit_mean, logit_std,
                          eval_timesteps, eval_seed)
@@ -317,12 +319,17 @@ class Diffusion(Generative):
             problems.append(f"model.objective.snr_gamma = {snr_gamma}: must be positive, or null for no weighting")
         if num_train_timesteps < 2:
             problems.append(f"model.objective.num_train_timesteps = {num_train_timesteps}: must be at least 2")
+        if rescale_betas_zero_snr and prediction == "epsilon":
+            # At zero SNR the noise is the input itself: nothing of the image can be predicted from it.
+            problems.append("model.objective.rescale_betas_zero_snr = true needs prediction: v_prediction (the "
+                            "noise of the last step is its input; Lin et al. 2023)")
         ConfigError.collect(problems)
         require("diffusers", "model.objective Diffusion (its noise schedule, diffusers' DDPMScheduler)")
         from diffusers import DDPMScheduler
 
         self.scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
-                                       beta_start=beta_start, beta_end=beta_end, prediction_type=prediction)
+                                       beta_start=beta_start, beta_end=beta_end, prediction_type=prediction,
+                                       rescale_betas_zero_snr=rescale_betas_zero_snr)
         self.prediction, self.snr_gamma, self.num_train_timesteps = prediction, snr_gamma, num_train_timesteps
         self._alphas_cumprod = self.scheduler.alphas_cumprod  # moved to the batches' device once, not every step
 
@@ -339,7 +346,7 @@ class Diffusion(Generative):
         if self.snr_gamma is None:
             return losses
         # Min-SNR-gamma (Hang et al. 2023): weight min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v.
-        snr = alphas / (1 - alphas)
+        snr = alphas / (1 - alphas)  # 0 at a zero-SNR schedule's last step: v's weight is then 0, never 0 / 0
         clipped = snr.clamp(max=self.snr_gamma)
         weight = clipped / snr if self.prediction == "epsilon" else clipped / (snr + 1)
         return losses * weight

@@ -83,6 +83,27 @@ def test_diffusion_noises_and_targets_as_diffusers_ddpm_schedule_does(prediction
     assert timestep.tolist() == [0.0, 250.0, 500.0, 999.0]
 
 
+def test_a_zero_terminal_snr_schedule_noises_as_diffusers_does_and_its_last_step_is_pure_noise():
+    from diffusers import DDPMScheduler
+
+    net = Recorder()
+    reference = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                              prediction_type="v_prediction", rescale_betas_zero_snr=True)
+    objective = bound(Diffusion(prediction="v_prediction", condition="none", rescale_betas_zero_snr=True,
+                                beta_start=0.00085, beta_end=0.012, snr_gamma=5.0))
+    x0 = batch()["image"]
+    noise, t = torch.randn_like(x0), torch.tensor([0.0, 0.25, 0.5, 0.9995])
+    steps = torch.tensor([0, 250, 500, 999])
+    net.prediction = reference.get_velocity(x0, noise, steps)
+    losses = objective.per_sample_loss(net, x0, noise, t, None)
+    assert torch.isfinite(losses).all() and torch.allclose(losses, torch.zeros(4), atol=1e-10)
+    x_t = net.calls[0][0]
+    torch.testing.assert_close(x_t, reference.add_noise(x0, noise, steps))
+    torch.testing.assert_close(x_t[3], noise[3])  # the last step holds nothing of the image
+    with pytest.raises(ConfigError, match="rescale_betas_zero_snr = true needs prediction: v_prediction"):
+        Diffusion(rescale_betas_zero_snr=True)
+
+
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 def test_min_snr_gamma_weighs_each_timestep_by_min_snr_gamma_over_its_snr(prediction):
     from diffusers import DDPMScheduler
