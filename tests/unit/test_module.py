@@ -72,6 +72,40 @@ def test_warmup_then_decay_to_the_floor_at_the_runs_last_step(kind):
     assert lrs[9] == pytest.approx(0.055), "halfway through the decay: half way to the floor, linear and cosine alike"
 
 
+def test_adam_runs_fused_unless_the_config_chose_an_implementation_and_resumes_from_either():
+    torch.manual_seed(0)
+    net = SimpleCNN(num_classes=4)
+    fused = attach(LitModel(net, optimizer=lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.05),
+                            lr_scaling="none")).configure_optimizers()
+    assert fused.defaults["fused"] is True and fused.param_groups[0]["weight_decay"] == 0.05
+    for chosen in ({"foreach": False}, {"foreach": True}, {"fused": False}):
+        kept = attach(LitModel(net, optimizer=lambda p, c=chosen: torch.optim.AdamW(p, lr=0.1, **c),
+                               lr_scaling="none")).configure_optimizers()
+        assert kept.defaults["fused"] in (None, False) and {k: kept.defaults[k] for k in chosen} == chosen
+    sgd = attach(LitModel(net, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), lr_scaling="none")).configure_optimizers()
+    assert type(sgd) is torch.optim.SGD
+
+    # The same steps as torch's loop, to float tolerance; a loop's state loads into the fused one and goes on alike.
+    loop = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.05, foreach=False)
+    start = [p.detach().clone() for p in net.parameters()]
+    after = []
+    for optimizer in (loop, fused):
+        with torch.no_grad():
+            for p, s in zip(net.parameters(), start, strict=True):
+                p.copy_(s)
+        optimizer.state.clear()
+        for step in range(3):
+            for p in net.parameters():
+                p.grad = torch.full_like(p, 0.1 * (step + 1))
+            optimizer.step()
+        after.append([p.detach().clone() for p in net.parameters()])
+    for a, b in zip(*after, strict=True):
+        torch.testing.assert_close(a, b)
+    fused.load_state_dict(loop.state_dict())
+    fused.step()
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
 def test_lr_decay_needs_a_run_length_and_no_second_scheduler():
     model = attach(LitModel(SimpleCNN(), lr_decay="cosine"))
     with pytest.raises(ConfigError, match="trainer.max_steps or trainer.max_epochs"):
