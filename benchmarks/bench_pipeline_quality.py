@@ -13,7 +13,7 @@
 4. fine-tune: `lit-dist fit --pipeline.path` from that folder for ``--finetune-steps``, its samples scored at each
    validation: every one >= 0.8 (target), against the same run from the random base folder (near 0).
 
-    .venv/bin/python -m benchmarks.bench_pipeline_quality [--images 3000] [--pretrain-steps 3000] [--short]
+    .venv/bin/python -m benchmarks.bench_pipeline_quality [--images 3000] [--pretrain-steps 4000] [--short]
 """
 
 import argparse
@@ -164,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=3000, help="demo shapes (the quickstarts' 3,000)")
     parser.add_argument("--vae-steps", type=int, default=1500, help="steps of the VAE's training, batch 32")
-    parser.add_argument("--pretrain-steps", type=int, default=3000, help="steps of the pretraining run")
+    parser.add_argument("--pretrain-steps", type=int, default=4000, help="steps of the pretraining run")
     parser.add_argument("--finetune-steps", type=int, default=200, help="steps of each fine-tuning run")
     parser.add_argument("--every", type=int, default=50, help="fine-tuning steps between validations (samples)")
     parser.add_argument("--batch", type=int, default=32)
