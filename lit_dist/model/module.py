@@ -480,4 +480,3 @@ def fused_where_unset(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         return type(optimizer)(groups, **settings, fused=True)
     except RuntimeError:  # a device or dtype without the fused kernel: the loop it was
         return optimizer
-
