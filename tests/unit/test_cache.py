@@ -463,6 +463,20 @@ def test_plan_shows_the_cache_coverage_and_refuses_mode_read_when_incomplete(tmp
     assert "pixels: 400 of 400 cached (100.0%)" in out.stdout and "compression" in out.stdout
 
 
+@pytest.mark.parametrize("encoder", [ENCODER, None])
+def test_a_build_decodes_in_this_process_when_its_encoder_runs_on_the_cpu(monkeypatch, tmp_path, data, encoder):
+    """A loader worker decoding beside a CPU encoder takes a core from its threads (bench_pipeline); a pixel cache
+    is all decoding, and workers do it."""
+    from lit_dist.cache.build import _Decode
+
+    here = []  # batches decoded in this process (a worker's calls are counted in its own copy)
+    getitem = _Decode.__getitem__
+    monkeypatch.setattr(_Decode, "__getitem__", lambda self, j: (here.append(j), getitem(self, j))[1])
+    _, report = data_module(data, cache_config(tmp_path, encoder=encoder), num_workers=2).build_cache(torch.device("cpu"))
+    assert report["samples"] == 120
+    assert len(here) == (len(set(here)) if encoder else 0) and (len(here) > 0) == (encoder is not None)
+
+
 CAPTIONS = {"class_path": "tests.helpers.encoders.ByteCaptionEncoder", "init_args": {"dim": 8}}
 
 
@@ -487,6 +501,33 @@ def test_caption_encoder_outputs_are_cached_per_caption_and_a_changed_caption_is
                                         encoder_dtype="fp32"))
     _, report = data_module(data, cache).build_cache(torch.device("cpu"))
     assert report["samples"] == 1 and report["needed"] == 1
+
+
+@pytest.mark.parametrize("memo_bytes", [None, 1])
+def test_a_repeated_caption_is_encoded_once_per_build(monkeypatch, tmp_path, data, memo_bytes):
+    import lit_dist.cache.build as build
+    from tests.helpers.encoders import ByteCaptionEncoder
+
+    seen = []
+    forward = ByteCaptionEncoder.forward
+    monkeypatch.setattr(ByteCaptionEncoder, "forward", lambda self, texts: (seen.extend(texts), forward(self, texts))[1])
+    monkeypatch.setattr(build, "CAPTION_BATCH", 8)  # 15 calls: a caption met in an earlier call is remembered
+    if memo_bytes is not None:  # room for one caption's encoding: a caption met again after others is encoded again
+        monkeypatch.setattr(build, "CAPTION_MEMO_BYTES", memo_bytes)
+    captions = pq.read_table(data).column("caption").to_pylist()
+    dm = module_setup(data, cache_config(tmp_path, encoder=None, caption_encoder=CAPTIONS, encoder_dtype="fp32"))
+    built = [t for t in seen if t]  # the empty caption is encoded when the cache is prepared
+    if memo_bytes is None:
+        assert sorted(built) == sorted(set(captions)) and len(built) < len(captions)
+    else:
+        assert len(set(captions)) < len(built) <= len(captions)
+    with torch.no_grad():
+        expected = ByteCaptionEncoder(dim=8)(captions)
+    rows = 0
+    for batch in batches(dm, "train", 30):  # every caption's entry is its own encoding
+        torch.testing.assert_close(batch["caption_embedding"], expected[batch["row"]])
+        rows += len(batch["row"])
+    assert rows >= 100
 
 
 def test_caption_encoder_needs_a_caption_column_and_mode_build(tmp_path, data):

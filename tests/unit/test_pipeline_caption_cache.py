@@ -138,7 +138,8 @@ def test_a_dict_encoder_needs_its_empty_caption_and_one_shape(monkeypatch, shape
     import tests.unit.test_pipeline_caption_cache as here
 
     spec = {"class_path": f"{here.__name__}._Fields", "init_args": {}}
-    with pytest.raises(ConfigError, match=r"returned \{'hidden': \(24, 6, 2\), 'pooled': \(24, 3\)\} for 24 captions, "
+    # Per batch of distinct captions (a repeated caption is encoded once).
+    with pytest.raises(ConfigError, match=r"returned \{'hidden': \((\d+), 6, 2\), 'pooled': \(\1, 3\)\} for \1 captions, "
                                           r"and hidden \[1, 2\], pooled \[3\] per caption for the empty caption"):
         data_module(shapes, _cache(tmp_path, "", caption_encoder=spec)).setup("fit")
     spec = {"class_path": f"{here.__name__}._Fields", "init_args": {"empty": False}}
