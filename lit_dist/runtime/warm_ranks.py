@@ -37,6 +37,9 @@ from collections.abc import Callable
 
 from lit_dist.runtime.processes import parent_of
 
+# SIGINT as this interpreter found it: a process started with it ignored (a background job of a script) keeps it
+# ignored, as Python does; a new interpreter started from this one would inherit that too.
+_SIGINT_IGNORED_AT_START = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 SWITCH_ENV = "LIT_DIST_WARM_RANKS"  # "0": local ranks start as new interpreters, as Lightning starts them
 _PR_SET_CHILD_SUBREAPER = 36
 _ZYGOTE: "Zygote | None" = None  # this process's, once made
@@ -230,8 +233,10 @@ def run_as_command(run: Callable[[list[str]], None], args: list[str], env: dict,
     interpreter would; never returns."""
     code = 1
     try:
-        for name in ("SIGUSR1", "SIGTERM", "SIGINT"):  # the defaults a new interpreter has (SIGINT: Python's own)
-            signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
+        for name in ("SIGUSR1", "SIGTERM"):  # the defaults a new interpreter has
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        # SIGINT: Python's own handler, or ignored where this process was started with it ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN if _SIGINT_IGNORED_AT_START else signal.default_int_handler)
         os.environ.clear()
         os.environ.update(env)
         if cwd:
