@@ -52,10 +52,10 @@ def run_config(run: Path | None) -> dict:
 
 
 def write_card(folder: Path, base: Path, family: str, pipeline_class: str, source: str, config: dict, ema: bool,
-               facts: dict, run: Path | None) -> None:
+               facts: dict, run: Path | None, adapter: tuple[str, list[str]] | None = None) -> None:
     """``folder/README.md`` (and ``samples.png`` when the run drew one) for the pipeline fine-tuned from ``base``:
     ``source`` says where the weights came from, ``facts`` the step, world size and strategy, ``run`` is the run
-    directory (its samples)."""
+    directory (its samples); ``adapter``: the folder holds an adapter alone, (what it is, the lines that load it)."""
     step = facts.get("step")
     model = (config.get("model") or {}).get("init_args") or {}
     data = (config.get("data") or {}).get("init_args") or {}
@@ -69,16 +69,20 @@ def write_card(folder: Path, base: Path, family: str, pipeline_class: str, sourc
         "---",
         "library_name: diffusers",
         f"base_model: {base.name}",
-        "tags: [lit-dist, text-to-image, fine-tune]",
+        f"tags: [lit-dist, text-to-image, {_kind_tag(adapter)}]",
         "---",
         "",
         f"# {folder.name}",
         "",
-        f"A full fine-tune of `{base}` ({pipeline_class}, the {family} family) by lit-dist. Load it with diffusers:",
-        "",
-        "```python",
-        "from diffusers import DiffusionPipeline",
-        f'pipeline = DiffusionPipeline.from_pretrained("{folder.name}")',
+    ]
+    if adapter is None:
+        lines += [f"A full fine-tune of `{base}` ({pipeline_class}, the {family} family) by lit-dist. Load it with "
+                  "diffusers:", "", "```python", "from diffusers import DiffusionPipeline",
+                  f'pipeline = DiffusionPipeline.from_pretrained("{folder.name}")']
+    else:
+        lines += [f"An adapter ({adapter[0]}) on `{base}` ({pipeline_class}, the {family} family), trained by lit-dist; "
+                  "the folder holds the adapter alone. Load it onto its base:", "", "```python", *adapter[1]]
+    lines += [
         "```",
         "",
         "## Training",
@@ -108,6 +112,12 @@ def write_card(folder: Path, base: Path, family: str, pipeline_class: str, sourc
                   "![samples](samples.png)", ""]
         lines += [f"{i + 1}. {p}" for i, p in enumerate(prompts)]
     (folder / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def _kind_tag(adapter: tuple[str, list[str]] | None) -> str:
+    if adapter is None:
+        return "fine-tune"
+    return "lora" if adapter[0].startswith("lora") else "lycoris"
 
 
 def _last_grid(run: Path | None, step) -> Path | None:

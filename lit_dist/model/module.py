@@ -41,6 +41,7 @@ from torch import nn
 
 from lit_dist.ckpt.match import differences, refuse
 from lit_dist.errors import ConfigError
+from lit_dist.model.adapters import Adapter
 from lit_dist.model.conditions import Condition
 from lit_dist.model.ema import EMA
 from lit_dist.model.objectives import Classification, Generative, Objective
@@ -73,6 +74,7 @@ class LitModel(LightningModule):
         net: nn.Module | None = None,
         loss: nn.Module | None = None,
         objective: Objective | None = None,
+        adapter: Adapter | None = None,
         ema: EMA | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -93,6 +95,8 @@ class LitModel(LightningModule):
                 the pipeline's denoiser, filled in).
             loss: Classification loss module called as loss(logits, target); default: cross-entropy.
             objective: What a batch becomes (lit_dist.model.objectives): Classification (default), FlowMatching or Diffusion.
+            adapter: Train an adapter (LoRA, LoHa or LoKr: lit_dist.model.adapters.Adapter) on the frozen net instead
+                of the net itself; null: the whole net trains.
             ema: An exponential moving average of the network's weights (lit_dist.model.ema.EMA); null: none.
             optimizer: Optimizer class_path and init_args; its lr is the LR at base_batch_size. Adam and AdamW run
                 fused unless init_args sets fused or foreach.
@@ -147,7 +151,10 @@ class LitModel(LightningModule):
             # Process-wide, and before the Trainer sets up its device (which warns about tensor cores
             # left unused); every process of a run builds its own LitModel, so each gets it.
             torch.set_float32_matmul_precision(float32_matmul_precision)
-        self.save_hyperparameters(ignore=["net", "loss", "objective", "ema"])
+        self.save_hyperparameters(ignore=["net", "loss", "objective", "adapter", "ema"])
+        self.adapter = adapter
+        if adapter is not None:
+            adapter.attach(net)  # before any strategy wraps or shards the net, and before the average sees it
         self.net = net
         self.ema = ema
         self.objective = objective if objective is not None else Classification(loss)
@@ -216,7 +223,10 @@ class LitModel(LightningModule):
         return lr_scale_factor(self.lr_scaling, effective, self.base_batch_size)
 
     def configure_optimizers(self):
-        optimizer = fused_where_unset(self.optimizer_factory(self.parameters()))
+        # With an adapter, its parameters alone: the frozen base has no optimizer state (and ZeRO and FSDP keep
+        # none of it for the optimizer). Without one, every parameter, as checkpoints of earlier runs index them.
+        params = [p for p in self.parameters() if p.requires_grad] if self.adapter is not None else self.parameters()
+        optimizer = fused_where_unset(self.optimizer_factory(params))
         scale = self.lr_scale()
         for group in optimizer.param_groups:
             group["lr"] *= scale

@@ -10,7 +10,7 @@ import importlib
 from lit_dist.errors import ConfigError
 
 # package -> the extra of pyproject.toml that installs it
-EXTRAS = {"diffusers": "latent", "transformers": "text", "deepspeed": "deepspeed"}
+EXTRAS = {"diffusers": "latent", "transformers": "text", "deepspeed": "deepspeed", "peft": "adapters"}
 
 
 def require(package: str, what: str) -> None:

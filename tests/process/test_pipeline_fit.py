@@ -187,3 +187,37 @@ def test_a_hub_id_trains_from_its_cached_half_precision_snapshot_and_exports_a_p
     lines = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error")]
     assert out.returncode == 2 and len(lines) == 1 and "huggingface-cli download lit-dist/not-cached" in lines[0], \
         out.stderr[-2000:]
+
+
+def test_a_lora_trains_resumes_and_leaves_its_adapter_alone_for_diffusers(shapes, tmp_path):
+    """model.adapter: the run trains a LoRA on the frozen SDXL U-Net, resumes, and its end writes the adapter alone
+    (pytorch_lora_weights.safetensors, with a card) that the family's pipeline loads with load_lora_weights."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    folder = save_pipeline("sdxl", tmp_path / "sdxl")
+    adapter = ["--model.adapter.kind", "lora", "--model.adapter.rank", "4"]
+    out = lit_dist("fit", *_args(folder, shapes, tmp_path, tmp_path / "cache"), *adapter)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "ft" / "r"
+    assert (run / "samples" / "step-000000004.png").exists()
+    out = lit_dist("fit", "--config", str(run / "config.yaml"), "--trainer.max_steps", "6")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from" in (out.stdout + out.stderr).lower() and "step 6/6" in out.stdout + out.stderr
+
+    exported = run / "pipeline"
+    weights = load_file(exported / "pytorch_lora_weights.safetensors")
+    assert weights and all(k.startswith("unet.") and ".lora_" in k for k in weights), sorted(weights)[:3]
+    assert all(float(v.abs().max()) > 0 for k, v in weights.items() if "lora_B" in k), "the adapter never trained"
+    card = (exported / "README.md").read_text()
+    assert "An adapter (lora rank 4, alpha 4)" in card and "load_lora_weights" in card and "- steps: 6," in card
+    assert not (exported / "unet").exists(), "the base is not copied: the adapter alone"
+    pipeline = DiffusionPipeline.from_pretrained(folder)
+    pipeline.load_lora_weights(str(exported))
+    assert pipeline.unet.peft_config, "diffusers put no adapter into the U-Net"
+    # `lit-dist export` of the last checkpoint writes the same adapter (its base not loaded: only its names needed).
+    out = lit_dist("export", str(run / "checkpoints"), "--output", str(tmp_path / "exported"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = load_file(tmp_path / "exported" / "pytorch_lora_weights.safetensors")
+    assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
+    assert "load_lora_weights" in (tmp_path / "exported" / "README.md").read_text()

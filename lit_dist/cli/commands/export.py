@@ -68,9 +68,23 @@ def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dic
     from lit_dist.model.nets.pipeline import write_pipeline
 
     folder = read_folder(base, "--pipeline")
-    target = write_pipeline(base, state, output)
+    spec = ((config.get("model") or {}).get("init_args") or {}).get("adapter")
+    card = None
+    if spec:  # an adapter run: the adapter alone (lit_dist/model/adapter_export.py)
+        from pathlib import Path
+
+        from lit_dist.model.adapter_export import empty_adapted_denoiser, load_snippet, write_adapter
+        from lit_dist.model.adapters import Adapter
+
+        adapter = Adapter(**(spec.get("init_args") or {}))
+        kind = write_adapter(folder, empty_adapted_denoiser(folder, adapter), adapter, state, output)
+        target = Path(output).expanduser().absolute()
+        card = (adapter.describe(), load_snippet(target, folder.path, folder.index["_class_name"], kind,
+                                                 folder.family.denoiser))
+    else:
+        target = write_pipeline(base, state, output)
     write_card(target, folder.path, folder.family.name, folder.index["_class_name"], f"checkpoint `{checkpoint}`",
-               config, ema, checkpoint_facts(checkpoint), run_dir_of(checkpoint))
+               config, ema, checkpoint_facts(checkpoint), run_dir_of(checkpoint), adapter=card)
 
 
 def _safetensors(state: dict, output: str) -> None:

@@ -14,6 +14,7 @@ against the pipeline itself in tests/unit/test_pipeline_denoiser.py), so weights
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -189,21 +190,10 @@ def write_pipeline(base: str, weights: dict, output: str, replace: bool = False)
     ``<Denoiser>.from_pretrained(output, subfolder=...)`` loads alone. Written beside ``output`` and renamed into
     place: a folder that is there is whole. With ``replace``, a folder at ``output`` is replaced (once the new one
     is whole), else refused."""
-    import shutil
-    import socket
-    import uuid
-
     folder = read_folder(base, "--pipeline")
     name = folder.family.denoiser
     state = {k.removeprefix("model."): v for k, v in weights.items()}
-    target = Path(output).expanduser().absolute()
-    if target.exists() and not replace:
-        raise ConfigError(f"--output {str(output)!r} exists: remove it, or name a new folder")
-    _remove_leftovers(target)
-    # Named by host and process: a later export removes what one killed mid-way left (_remove_leftovers).
-    mark = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    partial = target.with_name(f".{target.name}.partial-{mark}")
-    try:
+    with whole_folder(output, replace) as partial:
         # File by file (shutil.copytree gathers its errors into one without an errno: a full disk would be no
         # longer told as one).
         variants = {}  # a component whose weights are one variant's only (--variant fp16): out under the plain names
@@ -222,13 +212,35 @@ def write_pipeline(base: str, weights: dict, output: str, replace: bool = False)
                 destination.write_text(json.dumps(index, indent=2))
             else:
                 _link_or_copy(source, destination)
-        model = _empty_denoiser(folder)
+        model = empty_denoiser(folder)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ConfigError(f"the checkpoint's network does not fit {folder.path / name}: {len(missing)} weights "
                               f"missing ({', '.join(missing[:3])}), {len(unexpected)} unexpected "
                               f"({', '.join(unexpected[:3])}): was the run trained from another pipeline?")
         model.save_pretrained(partial / name, safe_serialization=True)
+    return Path(output).expanduser().absolute()
+
+
+@contextmanager
+def whole_folder(output: str, replace: bool):
+    """A folder written at ``output`` whole or not at all: yields a folder beside it to write into, renamed into
+    place when the block ends without an error (removed if it raises). With ``replace``, a folder at ``output``
+    is replaced once the new one is whole, else refused (ConfigError)."""
+    import shutil
+    import socket
+    import uuid
+
+    target = Path(output).expanduser().absolute()
+    if target.exists() and not replace:
+        raise ConfigError(f"--output {str(output)!r} exists: remove it, or name a new folder")
+    _remove_leftovers(target)
+    # Named by host and process: a later export removes what one killed mid-way left (_remove_leftovers).
+    mark = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial = target.with_name(f".{target.name}.partial-{mark}")
+    partial.mkdir(parents=True)
+    try:
+        yield partial
         if target.exists():  # replace: the old folder out of the way first (a folder is not renamed over another)
             old = target.with_name(f".{target.name}.old-{mark}")
             os.replace(target, old)
@@ -239,7 +251,6 @@ def write_pipeline(base: str, weights: dict, output: str, replace: bool = False)
     finally:
         if partial.exists():
             shutil.rmtree(partial, ignore_errors=True)
-    return target
 
 
 def _remove_leftovers(target: Path) -> None:
@@ -269,7 +280,7 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
-def _empty_denoiser(folder):
+def empty_denoiser(folder):
     """The folder's denoiser class built from its config with no weights (meta tensors) when accelerate is there."""
     import importlib
 

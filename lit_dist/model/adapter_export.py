@@ -1,0 +1,91 @@
+"""An adapter run's weights out: the adapter alone, in the format its users load.
+
+- A LoRA (or DoRA) on a family whose diffusers pipeline loads LoRAs (SD 1.5, SDXL, SD3, Flux):
+  ``pytorch_lora_weights.safetensors`` with diffusers' key names, written by the pipeline class's own
+  ``save_lora_weights``, as diffusers' LoRA training scripts write it: ``pipeline.load_lora_weights(folder)``.
+- LoHa and LoKr (which diffusers' ``load_lora_weights`` does not take), and any adapter on PixArt (whose pipeline
+  has no LoRA loader): peft's format, ``adapter_config.json`` and ``adapter_model.safetensors``, which peft puts into
+  the pipeline's denoiser (``inject_adapter_in_model`` and ``set_peft_model_state_dict``; the model card shows how).
+
+Either way the folder is written beside its place and renamed into it, with a model card naming the base.
+"""
+
+import copy
+from pathlib import Path
+
+from lit_dist.model.adapters import Adapter
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights and load_lora_weights name it
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_state(model, state: dict) -> dict:
+    """The adapter's entries of ``state`` (a ``PipelineDenoiser``'s state dict: ``model.`` + the diffusers model's
+    names) in peft's names, without the adapter's name (``...to_q.lora_A.weight``)."""
+    from peft import get_peft_model_state_dict
+
+    inner = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    return get_peft_model_state_dict(model, state_dict=inner)
+
+
+def diffusers_loads(family_class: str, adapter: Adapter) -> bool:
+    """Whether diffusers' ``load_lora_weights`` of the pipeline class ``family_class`` loads this adapter."""
+    import diffusers
+
+    return adapter.kind == "lora" and hasattr(getattr(diffusers, family_class, None), "load_lora_weights")
+
+
+def write_adapter(folder, model, adapter: Adapter, state: dict, output: str, replace: bool = False) -> str:
+    """The adapter in ``model`` (the denoiser of the pipeline folder ``folder``, a ``PipelineFolder``, which holds
+    it) with the weights of ``state`` as a folder at ``output``; returns its format: "diffusers" or "peft"."""
+    import diffusers
+    from safetensors.torch import save_file
+
+    from lit_dist.errors import DataError
+    from lit_dist.model.nets.pipeline import whole_folder
+
+    layers = {k: v.contiguous() for k, v in adapter_state(model, state).items()}
+    if not layers:
+        raise DataError(f"the checkpoint holds no weights of its run's adapter ({adapter.describe()} on "
+                        f"{folder.path}): was it written by another run?")
+    pipeline_class = folder.index["_class_name"]
+    with whole_folder(output, replace) as partial:
+        if diffusers_loads(pipeline_class, adapter):
+            # peft's names, as diffusers' LoRA scripts for SD3 and Flux save them (its older names, which the SDXL
+            # script converts to, are not read back by SD3's loader); every family's loader reads these.
+            component = "unet" if folder.family.denoiser == "unet" else "transformer"
+            getattr(diffusers, pipeline_class).save_lora_weights(str(partial), **{f"{component}_lora_layers": layers},
+                                                                 safe_serialization=True)
+            kind = "diffusers"
+        else:
+            config = copy.deepcopy(model.peft_config["default"])
+            config.base_model_name_or_path = str(folder.path / folder.family.denoiser)
+            config.save_pretrained(str(partial))  # adapter_config.json
+            save_file(layers, str(partial / PEFT_FILES[1]))
+            kind = "peft"
+    return kind
+
+
+def empty_adapted_denoiser(folder, adapter: Adapter):
+    """The denoiser of ``folder`` with no weights (meta tensors) and ``adapter`` in it: the names an export needs,
+    without loading the base."""
+    from lit_dist.model.nets.pipeline import empty_denoiser
+
+    model = empty_denoiser(folder)
+    adapter.attach(model, folder.family.name)
+    return model
+
+
+def load_snippet(folder: Path, base: Path, pipeline_class: str, kind: str, denoiser: str) -> list[str]:
+    """The lines of Python that load an adapter folder of ``kind`` onto its base, for the model card."""
+    if kind == "diffusers":
+        return ["from diffusers import DiffusionPipeline",
+                f'pipeline = DiffusionPipeline.from_pretrained("{base}")',
+                f'pipeline.load_lora_weights("{folder.name}")']
+    return ["from diffusers import DiffusionPipeline",
+            "from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict",
+            "from safetensors.torch import load_file",
+            f'pipeline = DiffusionPipeline.from_pretrained("{base}")',
+            f'config = PeftConfig.from_pretrained("{folder.name}")',
+            f"inject_adapter_in_model(config, pipeline.{denoiser})",
+            f'set_peft_model_state_dict(pipeline.{denoiser}, load_file("{folder.name}/{PEFT_FILES[1]}"))']

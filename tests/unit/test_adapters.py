@@ -1,0 +1,110 @@
+"""model.adapter: LoRA, LoHa and LoKr put into a pipeline's frozen denoiser: they start as the base, and only they
+train."""
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from lit_dist.errors import ConfigError  # noqa: E402
+from lit_dist.model.adapters import Adapter  # noqa: E402
+from lit_dist.model.module import LitModel  # noqa: E402
+from lit_dist.model.nets.pipeline import PipelineDenoiser  # noqa: E402
+from tests.helpers.pipelines import FAMILIES, save_pipeline  # noqa: E402
+from tests.unit.test_module import attach  # noqa: E402
+from tests.unit.test_pipeline_denoiser import _as_lit_dist_call, _pipeline_call  # noqa: E402
+
+ADAPTER_KEYS = ("lora_", "hada_", "lokr_")
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory):
+    """Per family: its tiny folder and one call of its denoiser as its pipeline makes it (x_t, timestep, condition)."""
+    out = {}
+    for family in FAMILIES:
+        folder = save_pipeline(family, tmp_path_factory.mktemp(family) / family)
+        out[family] = (folder, _as_lit_dist_call(family, *_pipeline_call(family, folder))[:3])
+    return out
+
+
+@pytest.mark.parametrize("family,kind", [(f, "lora") for f in FAMILIES] +
+                         [(f, k) for f in ("sdxl", "flux") for k in ("loha", "lokr")])
+def test_an_adapter_starts_as_the_base_and_only_it_trains(calls, family, kind):
+    folder, (x, timestep, condition) = calls[family]
+    net = PipelineDenoiser(str(folder))
+    with torch.no_grad():
+        before = net(x, timestep, condition)
+    base = {name: p.detach().clone() for name, p in net.named_parameters()}
+    model = attach(LitModel(net, adapter=Adapter(kind=kind, rank=4), lr_scaling="none",
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2)))
+    trained = {name for name, p in net.named_parameters() if p.requires_grad}
+    assert trained and all(any(key in name for key in ADAPTER_KEYS) for name in trained), sorted(trained)[:4]
+    assert set(base) <= {name.replace(".base_layer", "") for name, _ in net.named_parameters()}
+    with torch.no_grad():  # an update that starts at zero: the base's outputs
+        torch.testing.assert_close(net(x, timestep, condition), before)
+
+    optimizer = model.configure_optimizers()
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert ids == {id(p) for name, p in net.named_parameters() if name in trained}
+    for _ in range(2):
+        optimizer.zero_grad()
+        net(x, timestep, condition).square().mean().backward()
+        optimizer.step()
+    for name, p in net.named_parameters():
+        if name not in trained:
+            assert torch.equal(p, base[name.replace(".base_layer", "")]), f"{name}: a frozen weight moved"
+    with torch.no_grad():
+        assert not torch.allclose(net(x, timestep, condition), before), "the adapter did not change the outputs"
+
+
+def test_a_wrong_adapter_is_one_line_naming_the_field(calls):
+    folder, _ = calls["sdxl"]
+    with pytest.raises(ConfigError, match=r"target_modules: the sdxl denoiser has no layer named to_qq: name layers it "
+                                          r"has \(e\.g\. .*to_q"):
+        Adapter(target_modules=["to_q", "to_qq"]).attach(PipelineDenoiser(str(folder)))
+    with pytest.raises(ConfigError, match=r"model.adapter.rank = 0: must be at least 1(.|\n)*use_dora is LoRA's; kind "
+                                          r"is 'lokr'"):
+        Adapter(kind="lokr", rank=0, use_dora=True)
+    with pytest.raises(ConfigError, match=r"model.adapter.kind = 'ia3': must be one of lora, loha, lokr"):
+        Adapter(kind="ia3")
+
+
+@pytest.mark.parametrize("family,kind", [(f, "lora") for f in FAMILIES] + [("sdxl", "lokr"), ("flux", "loha")])
+def test_the_exported_adapter_loads_into_the_family_s_pipeline_and_computes_the_same(calls, family, kind, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    from lit_dist.model.adapter_export import LORA_FILE, PEFT_FILES, write_adapter
+
+    folder, (x, timestep, condition) = calls[family]
+    net = PipelineDenoiser(str(folder))
+    adapter = Adapter(kind=kind, rank=4)
+    adapter.attach(net)
+    with torch.no_grad():  # a trained adapter: its factors away from their zero start
+        for p in net.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+        expected = net(x, timestep, condition)
+    kind_written = write_adapter(net.folder, net.model, adapter,
+                                 {f"model.{k}": v for k, v in net.model.state_dict().items()}, str(tmp_path / "adapter"))
+    pipeline = DiffusionPipeline.from_pretrained(folder)
+    denoiser = "unet" if family in ("sd15", "sdxl") else "transformer"
+    if kind == "lora" and family != "pixart":
+        assert kind_written == "diffusers" and (tmp_path / "adapter" / LORA_FILE).is_file()
+        pipeline.load_lora_weights(str(tmp_path / "adapter"))
+    else:  # peft's format, as the model card loads it
+        from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        assert kind_written == "peft" and all((tmp_path / "adapter" / f).is_file() for f in PEFT_FILES)
+        model = getattr(pipeline, denoiser)
+        inject_adapter_in_model(PeftConfig.from_pretrained(str(tmp_path / "adapter")), model)
+        set_peft_model_state_dict(model, load_file(str(tmp_path / "adapter" / PEFT_FILES[1])))
+    loaded = PipelineDenoiser(str(folder))
+    loaded.model = getattr(pipeline, denoiser)
+    with torch.no_grad():
+        got = loaded.eval()(x, timestep, condition)
+        torch.testing.assert_close(got, expected.detach())
+        base = PipelineDenoiser(str(folder)).eval()(x, timestep, condition)
+    assert not torch.allclose(got, base), "the loaded adapter changed nothing"
