@@ -71,7 +71,8 @@ def test_a_wrong_adapter_is_one_line_naming_the_field(calls):
         Adapter(kind="ia3")
 
 
-@pytest.mark.parametrize("family,kind", [(f, "lora") for f in FAMILIES] + [("sdxl", "lokr"), ("flux", "loha")])
+@pytest.mark.parametrize("family,kind", [(f, "lora") for f in FAMILIES] + [("sdxl", "dora"), ("flux", "dora"),
+                                                                             ("sdxl", "lokr"), ("flux", "loha")])
 def test_the_exported_adapter_loads_into_the_family_s_pipeline_and_computes_the_same(calls, family, kind, tmp_path):
     from diffusers import DiffusionPipeline
 
@@ -79,7 +80,7 @@ def test_the_exported_adapter_loads_into_the_family_s_pipeline_and_computes_the_
 
     folder, (x, timestep, condition) = calls[family]
     net = PipelineDenoiser(str(folder))
-    adapter = Adapter(kind=kind, rank=4)
+    adapter = Adapter(kind="lora", rank=4, use_dora=True) if kind == "dora" else Adapter(kind=kind, rank=4)
     adapter.attach(net)
     with torch.no_grad():  # a trained adapter: its factors away from their zero start
         for p in net.parameters():
@@ -90,7 +91,7 @@ def test_the_exported_adapter_loads_into_the_family_s_pipeline_and_computes_the_
                                  {f"model.{k}": v for k, v in net.model.state_dict().items()}, str(tmp_path / "adapter"))
     pipeline = DiffusionPipeline.from_pretrained(folder)
     denoiser = "unet" if family in ("sd15", "sdxl") else "transformer"
-    if kind == "lora" and family != "pixart":
+    if kind in ("lora", "dora") and family != "pixart":
         assert kind_written == "diffusers" and (tmp_path / "adapter" / LORA_FILE).is_file()
         pipeline.load_lora_weights(str(tmp_path / "adapter"))
     else:  # peft's format, as the model card loads it
