@@ -1,6 +1,8 @@
 """A pretrained pipeline's denoiser fine-tuned on two CPU processes under DDP, FSDP2 (its blocks sharded one by one)
 and DeepSpeed ZeRO-3, with a weight average: a run stopped mid-way and resumed ends with the uninterrupted run's
-weights and average, bitwise, and its checkpoint (sharded or partitioned) leaves as a diffusers folder."""
+weights and average, bitwise, and its checkpoint (sharded or partitioned) leaves as a diffusers folder. Two cases
+train an adapter instead (model.adapter: a LoRA under FSDP2, whose blocks then hold frozen and trained parameters
+together, and a LoKr under DDP): the base never moves, and the adapter leaves alone, as diffusers or peft load it."""
 
 import shutil
 
@@ -23,7 +25,10 @@ STRATEGIES = {
     "fsdp2": ["--trainer.strategy", '{"class_path": "lit_dist.strategies.fsdp.FSDP2Strategy"}'],
     "zero3": ["--config", str(CONFIGS / "deepspeed_zero3.yaml")],
 }
-CASES = [("sdxl", "ddp"), ("sdxl", "fsdp2"), ("flux", "ddp"), ("flux", "fsdp2"), ("flux", "zero3")]
+ADAPTERS = {"lora": ["--model.adapter.kind", "lora", "--model.adapter.rank", "4"],
+            "lokr": ["--model.adapter.kind", "lokr", "--model.adapter.rank", "4"]}
+CASES = [("sdxl", "ddp", None), ("sdxl", "fsdp2", "lora"), ("flux", "ddp", "lokr"), ("flux", "fsdp2", None),
+         ("flux", "zero3", None)]
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +67,18 @@ def fit(tmp_path, folder, cache, shapes, strategy, run_id, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,strategy", CASES)
-def test_a_pipeline_resumes_bitwise_under_each_strategy_and_exports(family, strategy, shapes, made, tmp_path):
+@pytest.mark.parametrize("family,strategy,adapter", CASES)
+def test_a_pipeline_resumes_bitwise_under_each_strategy_and_exports(family, strategy, adapter, shapes, made,
+                                                                    tmp_path):
     from diffusers import DiffusionPipeline
 
     folder, cache = made(family)
-    straight, _ = fit(tmp_path, folder, cache, shapes, strategy, "straight")
+    extra = ADAPTERS[adapter] if adapter else []
+    straight, _ = fit(tmp_path, folder, cache, shapes, strategy, "straight", *extra)
     # The straight run's save at step STOP, alone in a run of its own: what a run stopped there leaves.
     shutil.copytree(straight / "checkpoints" / f"step-{STOP:09d}", tmp_path / "ft" / "resumed" / "checkpoints" /
                     f"step-{STOP:09d}")
-    resumed, said = fit(tmp_path, folder, cache, shapes, strategy, "resumed")
+    resumed, said = fit(tmp_path, folder, cache, shapes, strategy, "resumed", *extra)
     assert f"resuming from {tmp_path / 'ft' / 'resumed' / 'checkpoints' / f'step-{STOP:09d}'}" in said, said[-2000:]
 
     state, again = (load_checkpoint_state(str(run / "checkpoints")) for run in (straight, resumed))
@@ -83,7 +90,34 @@ def test_a_pipeline_resumes_bitwise_under_each_strategy_and_exports(family, stra
     out = lit_dist("export", str(straight / "checkpoints"), "--output", str(tmp_path / "exported"))
     assert out.returncode == 0, out.stderr[-3000:]
     denoiser = "unet" if family == "sdxl" else "transformer"
+    if adapter:
+        _check_adapter(state, averaged, folder, tmp_path / "exported", adapter, denoiser)
+        return
     loaded = getattr(DiffusionPipeline.from_pretrained(tmp_path / "exported"), denoiser).state_dict()
     trained = {k.removeprefix("net.model."): v for k, v in state.items() if k.startswith("net.model.")}
     assert loaded.keys() == trained.keys()
     assert all(torch.equal(loaded[k], trained[k].float()) for k in trained)
+
+
+def _check_adapter(state: dict, averaged: list, folder, exported, adapter: str, denoiser: str) -> None:
+    """The base's weights in the checkpoint are the folder's, the average is the adapter's alone, and the exported
+    adapter holds the trained factors under the names diffusers (LoRA) or peft (LoKr) load."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import load_file
+
+    keys = ("lora_", "lokr_")
+    assert averaged and all(any(k in name for k in keys) for name in averaged), averaged[:3]
+    base = getattr(DiffusionPipeline.from_pretrained(folder), denoiser).state_dict()
+    frozen = {k.removeprefix("net.model.").replace(".base_layer", ""): v for k, v in state.items()
+              if k.startswith("net.model.") and not any(m in k for m in keys)}
+    assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base), "the base moved"
+    trained = {k.removeprefix("net.model.").replace(".default", ""): v for k, v in state.items()
+               if k.startswith("net.model.") and any(m in k for m in keys)}
+    if adapter == "lora":
+        written = {k.removeprefix(f"{denoiser}."): v for k, v in
+                   load_file(exported / "pytorch_lora_weights.safetensors").items()}
+        pipeline = DiffusionPipeline.from_pretrained(folder)
+        pipeline.load_lora_weights(str(exported))
+    else:
+        written = load_file(exported / "adapter_model.safetensors")
+    assert written.keys() == trained.keys() and all(torch.equal(written[k], trained[k].float()) for k in trained)
