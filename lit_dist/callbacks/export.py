@@ -72,12 +72,11 @@ def _as_pipeline(trainer, pl_module, state: dict, path: str) -> bool:
     if adapter is None:
         target = write_pipeline(str(net.folder.path), state, path, replace=True)
     else:  # the adapter alone, in the format its users load (lit_dist/model/adapter_export.py)
-        from lit_dist.model.adapter_export import load_snippet, write_adapter
+        from lit_dist.model.adapter_export import adapter_card, write_adapter
 
         target = Path(path).expanduser().absolute()
-        kind = write_adapter(net.folder, net.model, adapter, state, path, replace=True)
-        card = (adapter.describe(), load_snippet(target, net.folder.path, net.folder.index["_class_name"], kind,
-                                                 net.folder.family.denoiser))
+        card = adapter_card(adapter, net.folder, path, write_adapter(net.folder, net.model, adapter, state, path,
+                                                                     replace=True))
     run = Path(path).parent
     facts = {"step": trainer.global_step, "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__}
     write_card(target, net.folder.path, net.family, net.folder.index["_class_name"], f"the end of the run {run}",

@@ -28,13 +28,6 @@ def adapter_state(model, state: dict) -> dict:
     return get_peft_model_state_dict(model, state_dict=inner)
 
 
-def diffusers_loads(family_class: str, adapter: Adapter) -> bool:
-    """Whether diffusers' ``load_lora_weights`` of the pipeline class ``family_class`` loads this adapter."""
-    import diffusers
-
-    return adapter.kind == "lora" and hasattr(getattr(diffusers, family_class, None), "load_lora_weights")
-
-
 def write_adapter(folder, model, adapter: Adapter, state: dict, output: str, replace: bool = False) -> str:
     """The adapter in ``model`` (the denoiser of the pipeline folder ``folder``, a ``PipelineFolder``, which holds
     it) with the weights of ``state`` as a folder at ``output``; returns its format: "diffusers" or "peft"."""
@@ -48,14 +41,13 @@ def write_adapter(folder, model, adapter: Adapter, state: dict, output: str, rep
     if not layers:
         raise DataError(f"the checkpoint holds no weights of its run's adapter ({adapter.describe()} on "
                         f"{folder.path}): was it written by another run?")
-    pipeline_class = folder.index["_class_name"]
+    pipeline = getattr(diffusers, folder.index["_class_name"], None)
     with whole_folder(output, replace) as partial:
-        if diffusers_loads(pipeline_class, adapter):
+        if adapter.kind == "lora" and hasattr(pipeline, "save_lora_weights"):  # what load_lora_weights reads
             # peft's names, as diffusers' LoRA scripts for SD3 and Flux save them (its older names, which the SDXL
             # script converts to, are not read back by SD3's loader); every family's loader reads these.
-            component = "unet" if folder.family.denoiser == "unet" else "transformer"
-            getattr(diffusers, pipeline_class).save_lora_weights(str(partial), **{f"{component}_lora_layers": layers},
-                                                                 safe_serialization=True)
+            pipeline.save_lora_weights(str(partial), **{f"{folder.family.denoiser}_lora_layers": layers},
+                                       safe_serialization=True)
             kind = "diffusers"
         else:
             config = copy.deepcopy(model.peft_config["default"])
@@ -76,16 +68,19 @@ def empty_adapted_denoiser(folder, adapter: Adapter):
     return model
 
 
-def load_snippet(folder: Path, base: Path, pipeline_class: str, kind: str, denoiser: str) -> list[str]:
-    """The lines of Python that load an adapter folder of ``kind`` onto its base, for the model card."""
+def adapter_card(adapter: Adapter, folder, output: str, kind: str) -> tuple[str, list[str]]:
+    """For the model card of the adapter folder ``output`` of ``kind`` (write_adapter's) on the pipeline folder
+    ``folder``: what the adapter is, and the lines of Python that load it onto its base."""
+    name, base, denoiser = Path(output).expanduser().absolute().name, folder.path, folder.family.denoiser
     if kind == "diffusers":
-        return ["from diffusers import DiffusionPipeline",
-                f'pipeline = DiffusionPipeline.from_pretrained("{base}")',
-                f'pipeline.load_lora_weights("{folder.name}")']
-    return ["from diffusers import DiffusionPipeline",
-            "from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict",
-            "from safetensors.torch import load_file",
-            f'pipeline = DiffusionPipeline.from_pretrained("{base}")',
-            f'config = PeftConfig.from_pretrained("{folder.name}")',
-            f"inject_adapter_in_model(config, pipeline.{denoiser})",
-            f'set_peft_model_state_dict(pipeline.{denoiser}, load_file("{folder.name}/{PEFT_FILES[1]}"))']
+        lines = ["from diffusers import DiffusionPipeline", f'pipeline = DiffusionPipeline.from_pretrained("{base}")',
+                 f'pipeline.load_lora_weights("{name}")']
+    else:
+        lines = ["from diffusers import DiffusionPipeline",
+                 "from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict",
+                 "from safetensors.torch import load_file",
+                 f'pipeline = DiffusionPipeline.from_pretrained("{base}")',
+                 f'config = PeftConfig.from_pretrained("{name}")',
+                 f"inject_adapter_in_model(config, pipeline.{denoiser})",
+                 f'set_peft_model_state_dict(pipeline.{denoiser}, load_file("{name}/{PEFT_FILES[1]}"))']
+    return adapter.describe(), lines

@@ -100,27 +100,28 @@ class Adapter:
         return peft.LoKrConfig(**common, decompose_factor=self.decompose_factor, decompose_both=self.decompose_both)
 
     def attach(self, net: nn.Module, family: str | None = None) -> nn.Module:
-        """Freeze ``net`` and put this adapter into it (in place); returns the module that holds the adapter: a
-        pipeline denoiser's diffusers model, or ``net`` (the denoiser of the pipeline ``family``, if given)."""
+        """Put this adapter into ``net`` (in place), which freezes the rest of it; returns the module that holds the
+        adapter: a pipeline denoiser's diffusers model, or ``net`` (the denoiser of the pipeline ``family``, if
+        given)."""
         from lit_dist.model.nets.pipeline import PipelineDenoiser
 
         inner = net.model if isinstance(net, PipelineDenoiser) else net
         family = net.family if isinstance(net, PipelineDenoiser) else family
         names = [name for name, _ in inner.named_modules()]
+        # The family's preset layers this model has (a small one may lack some).
+        preset = [t for t in TARGETS.get(family, ()) if any(_matches(name, t) for name in names)]
         if self.target_modules is not None:
             targets = self.target_modules
-        elif family is not None:  # a preset: the family's layers this model has (a small one may lack some)
-            targets = [t for t in TARGETS[family] if any(_matches(name, t) for name in names)] or list(TARGETS[family])
+        elif family is not None:
+            targets = preset or list(TARGETS[family])
         else:
             targets = _linears(inner)
         missing = [t for t in targets if not any(_matches(name, t) for name in names)]
         if missing:
             what = f"the {family} denoiser" if family else type(inner).__name__
-            known = [t for t in TARGETS[family] if any(_matches(name, t) for name in names)] if family else []
             raise ConfigError(f"model.adapter.target_modules: {what} has no layer named {', '.join(missing)}: name "
-                              f"layers it has (e.g. {', '.join(known or _examples(inner))}), or null for the default")
-        net.requires_grad_(False)
-        config = self.config(targets)
+                              f"layers it has (e.g. {', '.join(preset or _examples(inner))}), or null for the default")
+        config = self.config(targets)  # peft freezes every parameter of the model but the adapter's
         if hasattr(inner, "add_adapter"):  # a diffusers model: its own entry, which records the adapter as its own
             inner.add_adapter(config)
         else:

@@ -73,14 +73,13 @@ def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dic
     if spec:  # an adapter run: the adapter alone (lit_dist/model/adapter_export.py)
         from pathlib import Path
 
-        from lit_dist.model.adapter_export import empty_adapted_denoiser, load_snippet, write_adapter
+        from lit_dist.model.adapter_export import adapter_card, empty_adapted_denoiser, write_adapter
         from lit_dist.model.adapters import Adapter
 
         adapter = Adapter(**(spec.get("init_args") or {}))
         kind = write_adapter(folder, empty_adapted_denoiser(folder, adapter), adapter, state, output)
         target = Path(output).expanduser().absolute()
-        card = (adapter.describe(), load_snippet(target, folder.path, folder.index["_class_name"], kind,
-                                                 folder.family.denoiser))
+        card = adapter_card(adapter, folder, output, kind)
     else:
         target = write_pipeline(base, state, output)
     write_card(target, folder.path, folder.family.name, folder.index["_class_name"], f"checkpoint `{checkpoint}`",
