@@ -52,7 +52,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import ROOT, SHORT_HELP, machine, result_line
+from benchmarks.common import ROOT, SHORT_HELP, command, lit_dist, machine, result_line
 
 RESOLUTION = 256
 
@@ -135,11 +135,10 @@ def bench_build(table: str, tmp: str, rounds: int) -> dict:
     # on this VM slows single runs (two-process runs of the same build here: 277-355 samples/s), never speeds them up.
     for ranks in (1, 2) * rounds:
         extra = ["--trainer.devices", "2", "--trainer.strategy", "ddp"] if ranks == 2 else []
-        out = subprocess.run([sys.executable, "-m", "lit_dist", "cache", "--config", config, "--data.cache.dir",
-                              os.path.join(tmp, f"build-{ranks}-{time.monotonic_ns()}"), *extra],
-                             cwd=ROOT, capture_output=True, text=True)
+        out = command([sys.executable, "-m", "lit_dist", "cache", "--config", config, "--data.cache.dir",
+                       os.path.join(tmp, f"build-{ranks}-{time.monotonic_ns()}"), *extra])
         found = re.search(r"built (\d+) samples on (\d+) ranks in [\d.]+ s \((\d+) samples/s\)", out.stdout)
-        if out.returncode or not found:
+        if not found:
             raise RuntimeError(f"lit-dist cache failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
         runs.append(int(found.group(3)))
     one, two = max(runs[0::2]), max(runs[1::2])
@@ -162,7 +161,7 @@ def bench_latent(tmp: str, epochs: int, seeds: int, images: int, warmup_steps: i
     # Oversubscription: a short run's few images leave a bucket under one batch (6,000 leave none).
     base = ["--config", "configs/latent_quickstart.yaml", "--data.metadata", table, "--data.cache.dir", cache,
             "--data.allow_oversubscription", "true"]
-    subprocess.run([sys.executable, "-m", "lit_dist", "cache", *base], cwd=ROOT, check=True, capture_output=True)
+    lit_dist("cache", *base)
     # Validation every 5 epochs, or at the end of a shorter run: the accuracy is read from the last one.
     common = ["--trainer.max_epochs", str(epochs), "--trainer.enable_progress_bar", "false",
               "--model.lr_scheduler.init_args.T_max", str(steps),
@@ -174,10 +173,8 @@ def bench_latent(tmp: str, epochs: int, seeds: int, images: int, warmup_steps: i
     runs += [("on_the_fly", s, ["--config", "configs/latent_on_the_fly.yaml"]) for s in range(seeds)]
     results: dict[str, dict] = {}
     for name, seed, extra in runs:
-        out = subprocess.run([sys.executable, "-m", "lit_dist", "fit", *base, *extra, *common, "--seed_everything",
-                              str(seed)], cwd=ROOT, capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(f"{name} (seed {seed}) failed:\n{out.stderr[-3000:]}")
+        out = command([sys.executable, "-m", "lit_dist", "fit", *base, *extra, *common, "--seed_everything",
+                       str(seed)])
         bench = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("BENCH "))[6:])
         acc = float(re.search(r"fit finished: val/acc ([\d.]+)", out.stdout).group(1))  # the last validation's
         got = results.setdefault(name, {"steps_per_s": bench["steps_per_s"], "val_acc": []})
@@ -310,9 +307,9 @@ def bench_s3(table: str, tmp: str) -> dict:
         endpoint = f"http://127.0.0.1:{port}"
         for _ in range(300):
             try:
-                requests.get(endpoint, timeout=1)
+                requests.get(endpoint, timeout=10)  # its first answer imports its services: seconds on a busy machine
                 break
-            except requests.ConnectionError:
+            except requests.ConnectionError:  # not listening yet
                 time.sleep(0.1)
         for key, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
                            ("AWS_DEFAULT_REGION", "us-east-1")):

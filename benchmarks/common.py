@@ -109,46 +109,120 @@ COMMAND_TIMEOUT_S = float(os.environ.get("LIT_DIST_BENCH_COMMAND_TIMEOUT_S", 720
 TAG_ENV = "LIT_DIST_BENCH_TAG"  # in the environment of every process a benchmark command starts
 
 
+WARM_ENV = "LIT_DIST_BENCH_WARM"  # "1": commands forked from one warm process (tests/process/test_benchmarks.py)
+
+
 def lit_dist(*args: str) -> subprocess.CompletedProcess:
     """``lit-dist ARGS`` from the repository root (a command whose figures are not read, e.g. cache, export, sample);
     a RuntimeError with the ends of its output if it fails."""
-    out = subprocess.run([sys.executable, "-m", "lit_dist", *args], cwd=ROOT, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"lit-dist {' '.join(args)} failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n"
-                           f"{out.stderr[-4000:]}")
-    return out
+    return command([sys.executable, "-m", "lit_dist", *args])
 
 
 def run_bench(cmd: list[str], env: dict | None = None) -> dict:
     """Run a benchmark command from the repository root (``env``: variables added to this one's): its ``BENCH``
     lines merged, and ``to_first_step_s`` where the run reports its first step. RuntimeError with its output if it
     fails or outlives ``COMMAND_TIMEOUT_S``."""
-    # Every process the command starts carries the tag, whatever its session: torchrun starts each worker in a
-    # session of its own, where a signal to the command's group does not reach it.
-    tag = uuid.uuid4().hex
-    env = {**os.environ, **(env or {}), "PYTHONFAULTHANDLER": "1", TAG_ENV: tag,
-           "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     started = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=COMMAND_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _abort_one_by_one(tagged(TAG_ENV, tag))
-        try:
-            stderr = proc.communicate(timeout=30)[1]
-        except subprocess.TimeoutExpired:
-            stderr = "(none: its processes did not end within 30 s of SIGABRT)"
-        _signal(tagged(TAG_ENV, tag), signal.SIGKILL)
-        proc.wait()
-        _wait_until_gone(tag)
-        raise RuntimeError(f"{' '.join(cmd)} hung for {COMMAND_TIMEOUT_S:.0f} s; its stacks:\n{stderr[-12000:]}") from None
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{stdout[-2000:]}\n{stderr[-4000:]}")
-    result = parse_bench(stdout)
+    result = parse_bench(command(cmd, env).stdout)
     if "first_step_at" in result:
         result["to_first_step_s"] = result["first_step_at"] - started
     return result
+
+
+def command(cmd: list[str], env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """``cmd`` run from the repository root with this process's environment and ``env``, its output captured. A
+    RuntimeError with the ends of its output if it fails (unless not ``check``), with its processes' stacks if it
+    outlives ``COMMAND_TIMEOUT_S``.
+
+    With ``LIT_DIST_BENCH_WARM=1`` (the short runs of tests/process/test_benchmarks.py) a ``python -m`` command is
+    forked from one warm process of this benchmark's (tests/helpers/zygote.py), without the 4 s of import a new
+    interpreter spends: a short run starts a dozen such commands, and its figures are not read."""
+    # Every process the command starts carries the tag, whatever its session: torchrun starts each worker in a
+    # session of its own, where a signal to the command's group does not reach it.
+    tag = uuid.uuid4().hex
+    env = {**_command_env(), **(env or {}), TAG_ENV: tag}
+    warm = _warm_process()
+    module = _module_of(cmd)
+    if warm is not None and module is not None and warm.can_run(env, None):
+        pid, code, stdout, stderr, hung = warm.run(module[0], module[1], env, ROOT, COMMAND_TIMEOUT_S,
+                                                   lambda pid, sig: _signal_all(pid, tag, sig))
+        if hung:
+            _signal_all(pid, tag, signal.SIGKILL)
+            _wait_until_gone(tag)
+    else:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        hung = False
+        try:
+            stdout, stderr = proc.communicate(timeout=COMMAND_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            hung = True
+            _abort_one_by_one(tagged(TAG_ENV, tag))
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                stdout, stderr = "", "(none: its processes did not end within 30 s of SIGABRT)"
+            _signal(tagged(TAG_ENV, tag), signal.SIGKILL)
+            proc.wait()
+            _wait_until_gone(tag)
+        code = proc.returncode
+    if hung:
+        raise RuntimeError(f"{' '.join(cmd)} hung for {COMMAND_TIMEOUT_S:.0f} s; its stacks:\n{stderr[-12000:]}")
+    if code and check:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}):\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+def _command_env() -> dict:
+    """This process's environment as a command gets it: faulthandler on, the repository importable."""
+    return {**os.environ, "PYTHONFAULTHANDLER": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+
+
+def _module_of(cmd: list[str]) -> tuple[str, list[str]] | None:
+    """(module, arguments) of ``python -m MODULE ...`` or ``lit-dist ...``; None for another command (torchrun)."""
+    if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m":
+        return cmd[2], list(cmd[3:])
+    if cmd and os.path.basename(cmd[0]) == "lit-dist":
+        return "lit_dist", list(cmd[1:])
+    return None
+
+
+_WARM: list = []  # this benchmark's warm process, once asked for; None where there is none
+
+
+def _warm_process():
+    if not _WARM:
+        warm = None
+        if os.environ.get(WARM_ENV) == "1":
+            import atexit
+
+            from tests.helpers.zygote import Zygote
+
+            with contextlib.suppress(OSError):  # no warm process: commands start as new interpreters
+                warm = Zygote(_command_env())
+                atexit.register(warm.close)
+        _WARM.append(warm)
+    return _WARM[0]
+
+
+def _signal_all(sid: int, tag: str, sig: int) -> None:
+    """``sig`` to every process of a forked command: its session (``sid``), and whatever carries its tag elsewhere;
+    one by one with SIGABRT, so that each writes its stacks whole."""
+    import psutil
+
+    pids = {p.pid for p in psutil.process_iter() if _session_of(p.pid) == sid} | set(tagged(TAG_ENV, tag))
+    if sig == signal.SIGABRT:
+        _abort_one_by_one(sorted(pids))
+    else:
+        _signal(pids, sig)
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 def _abort_one_by_one(pids: list[int], wait_s: float = 2.0) -> None:

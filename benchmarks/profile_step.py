@@ -27,7 +27,6 @@ import gzip
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,7 @@ import torch
 from lightning.pytorch import Callback
 
 import lit_dist
-from benchmarks.common import ROOT, SHORT_HELP, machine, parse_bench, result_line
+from benchmarks.common import ROOT, SHORT_HELP, command, machine, parse_bench, result_line
 
 # The hooks Lightning calls on every training step; the others run once per epoch or per run.
 STEP_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -219,18 +218,14 @@ def fit(name: str, args: argparse.Namespace, root: str) -> dict:
     cmd = [sys.executable, "-m", "lit_dist", "fit", *cmd, *common, "--trainer.callbacks+=benchmarks.profile_step.StepProfile",
            "--trainer.callbacks.start", str(args.start), "--trainer.callbacks.steps", str(args.steps),
            "--trainer.callbacks.trace_steps", str(args.trace_steps)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    env = {}
     if not cuda:
         state = os.path.join(root, "nvml.json")
         with open(state, "w") as f:
             json.dump({"0": {}}, f)
         env["FAKE_NVML_STATE"] = state
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise RuntimeError(f"the {name} run failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    result = parse_bench(out.stdout)
-    report = subprocess.run([sys.executable, "-m", "lit_dist", "report", result["run_dir"]], cwd=ROOT, env=env,
-                            capture_output=True, text=True, check=False)
+    result = parse_bench(command(cmd, env).stdout)
+    report = command([sys.executable, "-m", "lit_dist", "report", result["run_dir"]], env, check=False)
     result["report"] = report.stdout.strip() or report.stderr.strip()[-1000:]
     return result
 

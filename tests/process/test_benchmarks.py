@@ -38,7 +38,10 @@ def run_short(name: str, tmp_path) -> subprocess.CompletedProcess:
     """``python -m benchmarks.NAME --short`` from the repository root (on a hang its stacks; fails the test if any
     of its processes outlive it), its runs, caches and grids in the test's folder: some benchmarks leave their
     temporary folders behind."""
-    return run_module(f"benchmarks.{name}", "--short", timeout=TIMEOUT_S, env={"TMPDIR": str(tmp_path), "LIT_DIST_BENCH_COMMAND_TIMEOUT_S": str(COMMAND_TIMEOUT_S)})
+    # WARM: the benchmark forks its lit-dist commands from a warm process of its own (benchmarks.common.command).
+    env = {"TMPDIR": str(tmp_path), "LIT_DIST_BENCH_COMMAND_TIMEOUT_S": str(COMMAND_TIMEOUT_S),
+           "LIT_DIST_BENCH_WARM": "1"}
+    return run_module(f"benchmarks.{name}", "--short", timeout=TIMEOUT_S, env=env)
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
