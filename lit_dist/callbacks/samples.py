@@ -38,6 +38,7 @@ from lightning.pytorch import Callback
 
 from lit_dist.errors import ConfigError, DataError
 from lit_dist.model import conditions
+from lit_dist.model.adapters import scaled
 from lit_dist.model.conditions import Condition
 from lit_dist.model.judge import Judge
 from lit_dist.runtime.control import Event, RunControl
@@ -51,7 +52,7 @@ class Samples(Callback):
     def __init__(self, prompts: list[str] | None = None, num_prompts: int = 8, per_prompt: int = 4,
                  steps: int = 30, guidance: float = 4.0, seed: int = 0, at_validation: bool = True,
                  every_n_steps: int | None = None, at_end: bool = True, batch_size: int = 16, size: int | None = None,
-                 judge: Judge | None = None):
+                 judge: Judge | None = None, adapter_scale: float = 1.0):
         """Sample settings.
 
         Args:
@@ -67,6 +68,7 @@ class Samples(Callback):
             batch_size: Images per denoiser call (a group); the groups are spread over the ranks.
             size: Side of the square images in pixels; default: data.resolution.
             judge: Scores each image against its prompt (lit_dist.model.judge); its mean is logged as samples/adherence.
+            adapter_scale: Strength of model.adapter in the images: its update times this (0: the base alone).
         """
         problems = []
         for name, value in (("num_prompts", num_prompts), ("per_prompt", per_prompt), ("steps", steps),
@@ -84,6 +86,7 @@ class Samples(Callback):
         self.steps, self.guidance, self.seed = steps, guidance, seed
         self.at_validation, self.every_n_steps, self.at_end = at_validation, every_n_steps, at_end
         self.batch_size, self.size, self.judge = batch_size, size, judge
+        self.adapter_scale = adapter_scale
         self._control: RunControl | None = None
         self._chosen: list[str] | None = None  # the prompts as shown (captions, label names)
         self._condition = None  # (P, ...) on the CPU: embeddings (or a dict of them: a pipeline's fields), labels
@@ -103,6 +106,9 @@ class Samples(Callback):
         # What the first grid will need, checked before the first step (every rank: each raises the same line).
         if not self._active(pl_module) or not (self.at_validation or self.every_n_steps or self.at_end):
             return
+        if self.adapter_scale != 1.0 and getattr(pl_module, "adapter", None) is None:
+            raise ConfigError(f"samples.adapter_scale = {self.adapter_scale:g}, and model.adapter is not set: it "
+                              "scales an adapter's update; set model.adapter or leave samples.adapter_scale at 1")
         from lit_dist.runtime.extras import require
 
         objective = type(pl_module.objective).__name__
@@ -155,7 +161,7 @@ class Samples(Callback):
         device = trainer.strategy.root_device
         # The average swapped in once for every group (each swap copies every local parameter; under ZeRO-3 it gathers).
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _full_parameters(trainer), \
-                pl_module.evaluation_weights():
+                pl_module.evaluation_weights(), scaled(pl_module.net, self.adapter_scale):
             for turn in range(math.ceil(len(groups) / world)):
                 index = turn * world + rank
                 pixels = self._group(pl_module, groups[index if index < len(groups) else 0], device)

@@ -8,12 +8,14 @@
   the pipeline's denoiser (``inject_adapter_in_model`` and ``set_peft_model_state_dict``; the model card shows how).
 
 Either way the folder is written beside its place and renamed into it, with a model card naming the base.
+``merged_weights`` gives the other way out: the base with the adapter merged into its weights, for a whole pipeline
+folder (``lit-dist export --merge true``).
 """
 
 import copy
 from pathlib import Path
 
-from lit_dist.model.adapters import Adapter
+from lit_dist.model.adapters import Adapter, base_fingerprint, base_names, scaled
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights and load_lora_weights name it
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -84,3 +86,33 @@ def adapter_card(adapter: Adapter, folder, output: str, kind: str) -> tuple[str,
                  f"inject_adapter_in_model(config, pipeline.{denoiser})",
                  f'set_peft_model_state_dict(pipeline.{denoiser}, load_file("{name}/{PEFT_FILES[1]}"))']
     return adapter.describe(), lines
+
+
+def merged_weights(folder, adapter: Adapter, state: dict, fingerprint=None, scale: float = 1.0) -> dict:
+    """The denoiser of ``folder`` (a ``PipelineFolder``) with the adapter of ``state`` (a ``PipelineDenoiser``'s
+    state dict) merged into its weights at ``scale``: a ``PipelineDenoiser``'s state dict without the adapter, as
+    ``write_pipeline`` writes it. ``fingerprint``: the base's the checkpoint holds (a ConfigError if the folder's
+    denoiser is another one)."""
+    import torch
+
+    from lit_dist.errors import ConfigError, DataError
+    from lit_dist.model.nets.pipeline import PipelineDenoiser
+
+    net = PipelineDenoiser(str(folder.path))  # the base's weights: a merge needs them
+    adapter.attach(net)
+    names = base_names(net)
+    if fingerprint is not None and not torch.equal(base_fingerprint(net, names), fingerprint):
+        raise ConfigError(f"--merge: the denoiser of {folder.path} is not the base the adapter was trained on (the "
+                          "checkpoint holds that base's fingerprint): give the run's own pipeline with --pipeline")
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    missing = [name for name in missing if name not in names]
+    if missing or unexpected:
+        raise DataError(f"the checkpoint's adapter does not fit {adapter.describe()} on {folder.path}: "
+                        f"{len(missing)} weights missing ({', '.join(missing[:3])}), {len(unexpected)} unexpected "
+                        f"({', '.join(unexpected[:3])}): was it written by another run?")
+    with torch.no_grad(), scaled(net, scale):
+        for layer in net.modules():
+            if hasattr(layer, "merge") and hasattr(layer, "active_adapters"):  # peft's adapter layers
+                layer.merge()
+    whole = net.state_dict()
+    return {name.replace(".base_layer.", "."): whole[name] for name in names}

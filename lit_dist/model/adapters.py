@@ -15,10 +15,17 @@ scripts do (``add_adapter``), so that its weights keep the names diffusers reads
 
 LoCon, LyCORIS's LoRA on convolutions too, is ``kind: lora`` with the convolutions' names in ``target_modules``
 (peft's LoRA takes ``Conv2d``).
+
+A checkpoint of an adapter run holds the adapter, not the base (``base_names``): the base comes from where the
+model gets it at every start (the pipeline folder), and the checkpoint holds its fingerprint (``base_fingerprint``)
+so that a resume on another base is refused rather than trained on.
 """
 
+import hashlib
+from contextlib import contextmanager
 from typing import Literal
 
+import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
@@ -134,6 +141,51 @@ class Adapter:
         """The adapter in words, for logs and model cards."""
         extra = " (DoRA)" if self.use_dora else ""
         return f"{self.kind}{extra} rank {self.rank}, alpha {self.alpha:g}"
+
+
+def base_names(net: nn.Module) -> set[str]:
+    """The state-dict names of ``net`` (with its adapter in) that are the base's: every entry but the adapter's
+    trainable parameters."""
+    trainable = {name for name, p in net.named_parameters() if p.requires_grad}
+    return {name for name in net.state_dict() if name not in trainable}
+
+
+@contextmanager
+def scaled(net: nn.Module, scale: float):
+    """Within: every adapter layer in ``net`` adds its update times ``scale`` (0: the base alone; 1: as trained),
+    as diffusers' ``set_adapters(..., adapter_weights=...)`` does; as trained again after."""
+    layers = [m for m in net.modules() if hasattr(m, "set_scale") and hasattr(m, "active_adapters")]  # peft's
+    if scale == 1.0 or not layers:
+        yield
+        return
+    for layer in layers:
+        for name in layer.active_adapters:
+            layer.set_scale(name, scale)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            for name in layer.active_adapters:
+                layer.set_scale(name, 1.0)
+
+
+FINGERPRINT_VALUES = 64  # values of each base tensor that its fingerprint reads, evenly spaced
+
+
+def base_fingerprint(net: nn.Module, names: set[str]) -> torch.Tensor:
+    """sha256 (32 uint8) of the base entries ``names`` of ``net``'s state dict: each one's name, shape, dtype and
+    ``FINGERPRINT_VALUES`` of its values spread over it. Milliseconds on a model of billions of parameters; another
+    base (fine-tuned, converted, another model) differs in nearly every value, so the samples see it."""
+    sha = hashlib.sha256()
+    state = net.state_dict()
+    for name in sorted(names):
+        tensor = state[name].detach()
+        sha.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        flat = tensor.reshape(-1)
+        if flat.numel() and flat.device.type != "meta":
+            at = torch.linspace(0, flat.numel() - 1, min(flat.numel(), FINGERPRINT_VALUES)).long()
+            sha.update(flat[at].to("cpu", torch.float64).numpy().tobytes())
+    return torch.frombuffer(bytearray(sha.digest()), dtype=torch.uint8)
 
 
 def _matches(name: str, target: str) -> bool:

@@ -41,7 +41,7 @@ from torch import nn
 
 from lit_dist.ckpt.match import differences, refuse
 from lit_dist.errors import ConfigError
-from lit_dist.model.adapters import Adapter
+from lit_dist.model.adapters import Adapter, base_fingerprint, base_names
 from lit_dist.model.conditions import Condition
 from lit_dist.model.ema import EMA
 from lit_dist.model.objectives import Classification, Generative, Objective
@@ -153,8 +153,16 @@ class LitModel(LightningModule):
             torch.set_float32_matmul_precision(float32_matmul_precision)
         self.save_hyperparameters(ignore=["net", "loss", "objective", "adapter", "ema"])
         self.adapter = adapter
+        self.base_state: set[str] = set()  # the state-dict names of an adapter's frozen base: never in a checkpoint
         if adapter is not None:
             adapter.attach(net)  # before any strategy wraps or shards the net, and before the average sees it
+            names = base_names(net)
+            self.base_state = {f"net.{name}" for name in names}
+            # A checkpoint holds the adapter and, in place of the base, this fingerprint of it (on_load_checkpoint).
+            self.register_buffer("adapter_base", base_fingerprint(net, names))
+            self._this_base = self.adapter_base.clone()
+            self.register_state_dict_post_hook(_without(self.base_state))
+            self.register_load_state_dict_post_hook(_not_missing(self.base_state))
         self.net = net
         self.ema = ema
         self.objective = objective if objective is not None else Classification(loss)
@@ -195,13 +203,15 @@ class LitModel(LightningModule):
         if self.compile and not getattr(self, "_compiled", False):
             self.net.compile()  # in place: state_dict keys stay free of "_orig_mod."
             self._compiled = True
+        ignored = ["adapter_base"] if self.adapter is not None else []  # the same on every rank: no broadcast
         if self.ema is not None:
             # After sharding: the average is sharded as the parameters are. ZeRO-3 partitions them later, in its engine.
             self.ema.attach(self.net, partitioned_later=bool(getattr(strategy, "zero_stage_3", False)))
             # DDP would broadcast rank 0's buffers before every forward: a whole model copy per step, for an
             # average that every rank computes the same.
-            self._ddp_params_and_buffers_to_ignore = [f"ema.average.{name}" for name in self.ema.names] + \
-                ["ema.updates", "ema.starts_at"]
+            ignored += [f"ema.average.{name}" for name in self.ema.names] + ["ema.updates", "ema.starts_at"]
+        if ignored:
+            self._ddp_params_and_buffers_to_ignore = ignored
 
     def effective_batch_size(self) -> int | None:
         """batch_size_per_device x world size x accumulate_grad_batches, once a trainer is attached."""
@@ -323,9 +333,15 @@ class LitModel(LightningModule):
         if self.ema is not None and self.ema.swapped:
             raise RuntimeError("lit-dist: a checkpoint was asked for while validation holds the weight average in the "
                                "parameters; it would save the average as the raw weights")
+        if self.adapter is not None:  # for the line that refuses a resume on another base
+            checkpoint["adapter_base"] = self._base_name()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("state_dict")
+        if self.adapter is not None:
+            # A sharded or DeepSpeed checkpoint is in the model already; a whole one is loaded after this hook.
+            self.check_base(state.get("adapter_base") if state is not None else self.adapter_base,
+                            getattr(self._trainer, "ckpt_path", None) or "being loaded", checkpoint.get("adapter_base"))
         if state is None:  # a sharded checkpoint: the strategy loaded the model itself (start_unsaved)
             if self.ema is not None and self._uncounted:
                 self.ema.assume_updates(checkpoint.get("global_step", 0))
@@ -353,8 +369,22 @@ class LitModel(LightningModule):
 
     def optional_state(self, key: str) -> bool:
         """A state-dict key a checkpoint may lack (started from the weights) or hold without this model (dropped):
-        the weight average's, which model.ema turns on or off at a resume."""
-        return key.startswith("ema.")
+        the weight average's, which model.ema turns on or off at a resume; an adapter's base, which a checkpoint
+        written before adapter checkpoints held the base may hold."""
+        return key.startswith("ema.") or key in self.base_state or key == "adapter_base"
+
+    def check_base(self, saved: torch.Tensor | None, checkpoint, trained_on: str | None = None) -> None:
+        """Refuse (exit 2) a checkpoint of this run's adapter whose base fingerprint (``saved``; None: it held the
+        base itself) is not the base this model has; ``trained_on``: the base it names."""
+        if saved is None or torch.equal(saved.to("cpu"), self._this_base):
+            return
+        was = f" ({trained_on})" if trained_on else ""
+        raise ConfigError(f"the checkpoint {checkpoint} holds an adapter trained on another base{was} than this run's "
+                          f"model.net ({self._base_name()}): the checkpoint keeps the adapter, not the base. Resume "
+                          "with the base it was trained on, or start a new run (another run.run_id)")
+
+    def _base_name(self) -> str:
+        return f"the pipeline folder {self.net.folder.path}" if hasattr(self.net, "folder") else type(self.net).__name__
 
     def start_unsaved(self, keys: list[str]) -> None:
         """After a load by the strategy (sharded, DeepSpeed) without the weight average (model.ema turned on at
@@ -468,6 +498,27 @@ class LitModel(LightningModule):
         if "row" in batch:  # BucketDataModule's batches say which metadata row each sample is
             out["row"] = batch["row"]
         return out
+
+
+def _without(names: set[str]):
+    """A state-dict post-hook that leaves ``names`` (under the module's prefix) out."""
+    def hook(module, state_dict, prefix, local_metadata) -> None:
+        for name in names:
+            state_dict.pop(prefix + name, None)
+    return hook
+
+
+def _not_missing(names: set[str]):
+    """A load-state-dict post-hook: ``names`` (under whatever prefix a wrapper adds) may be missing."""
+    def hook(module, incompatible) -> None:
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not _named(k, names)]
+    return hook
+
+
+def _named(key: str, names: set[str]) -> bool:
+    """Whether ``key`` is one of ``names`` or one under a wrapper's prefix (DeepSpeed's ``_forward_module.``)."""
+    parts = key.split(".")
+    return any(".".join(parts[i:]) in names for i in range(len(parts)))
 
 
 def fused_where_unset(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -82,6 +82,12 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         with self._device_rank():
             return super()._initialize_deepspeed_inference(*args, **kwargs)
 
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        # An adapter run's checkpoint holds the adapter, not its frozen base (lit_dist.model.adapters): else ZeRO-2
+        # and 3 write every frozen parameter's partition beside the module's state.
+        self.exclude_frozen_parameters = getattr(self.lightning_module, "adapter", None) is not None
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         """Lightning's, after one check: a resume of training on as many processes as saved the checkpoint. DeepSpeed
         partitions the optimizer state (and under ZeRO-3 the weights and their average) by process and cannot

@@ -190,10 +190,16 @@ def test_a_hub_id_trains_from_its_cached_half_precision_snapshot_and_exports_a_p
 
 
 def test_a_lora_trains_resumes_and_leaves_its_adapter_alone_for_diffusers(shapes, tmp_path):
-    """model.adapter: the run trains a LoRA on the frozen SDXL U-Net, resumes, and its end writes the adapter alone
-    (pytorch_lora_weights.safetensors, with a card) that the family's pipeline loads with load_lora_weights."""
-    from diffusers import DiffusionPipeline
+    """model.adapter: the run trains a LoRA on the frozen SDXL U-Net, its checkpoints hold the adapter and not the
+    base, it resumes (and refuses to on another base), its end writes the adapter alone
+    (pytorch_lora_weights.safetensors, with a card) that the family's pipeline loads with load_lora_weights;
+    `lit-dist export --merge true` writes the whole pipeline with it merged, `lit-dist sample` scales it."""
+    import shutil
+
+    from diffusers import DiffusionPipeline, UNet2DConditionModel
     from safetensors.torch import load_file
+
+    from lit_dist.ckpt.export import load_checkpoint_state
 
     folder = save_pipeline("sdxl", tmp_path / "sdxl")
     adapter = ["--model.adapter.kind", "lora", "--model.adapter.rank", "4"]
@@ -201,6 +207,9 @@ def test_a_lora_trains_resumes_and_leaves_its_adapter_alone_for_diffusers(shapes
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "ft" / "r"
     assert (run / "samples" / "step-000000004.png").exists()
+    saved = load_checkpoint_state(str(run / "checkpoints"))
+    base = [k for k in saved if k.startswith("net.") and ".lora_" not in k]
+    assert not base and saved["adapter_base"].shape == (32,), f"the checkpoint holds the base: {base[:3]}"
     out = lit_dist("fit", "--config", str(run / "config.yaml"), "--trainer.max_steps", "6")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from" in (out.stdout + out.stderr).lower() and "step 6/6" in out.stdout + out.stderr
@@ -221,3 +230,25 @@ def test_a_lora_trains_resumes_and_leaves_its_adapter_alone_for_diffusers(shapes
     again = load_file(tmp_path / "exported" / "pytorch_lora_weights.safetensors")
     assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
     assert "load_lora_weights" in (tmp_path / "exported" / "README.md").read_text()
+    out = lit_dist("export", str(run / "checkpoints"), "--output", str(tmp_path / "merged"), "--merge", "true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    merged = DiffusionPipeline.from_pretrained(tmp_path / "merged").unet.state_dict()
+    plain = DiffusionPipeline.from_pretrained(folder).unet.state_dict()
+    q = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.weight"
+    assert merged.keys() == plain.keys() and not torch.equal(merged[q], plain[q]), "nothing merged"
+    out = lit_dist("sample", "--config", str(run / "config.yaml"), "--checkpoint", str(run / "checkpoints"),
+                   "--prompt", "a red circle", "--num", "1", "--steps", "2", "--adapter_scale", "0.5", "--output",
+                   str(tmp_path / "half.png"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the adapter at scale 0.5" in out.stdout and (tmp_path / "half.png").is_file()
+    # Another base (this pipeline with its U-Net fine-tuned; its encoders, and so the caches, the same): refused.
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    unet = UNet2DConditionModel.from_pretrained(other / "unet")
+    with torch.no_grad():
+        unet.conv_in.weight.mul_(1.01)
+    unet.save_pretrained(other / "unet")
+    out = lit_dist("fit", *_args(other, shapes, tmp_path, tmp_path / "cache", steps=8), *adapter)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"holds an adapter trained on another base (the pipeline folder {folder}) than this run's model.net" \
+        in out.stderr.strip().splitlines()[-1]

@@ -109,3 +109,82 @@ def test_the_exported_adapter_loads_into_the_family_s_pipeline_and_computes_the_
         torch.testing.assert_close(got, expected.detach())
         base = PipelineDenoiser(str(folder)).eval()(x, timestep, condition)
     assert not torch.allclose(got, base), "the loaded adapter changed nothing"
+
+
+def test_a_checkpoint_holds_the_adapter_and_refuses_another_base(calls):
+    """The state a checkpoint gets is the adapter and the base's fingerprint: it loads onto a new model of the same
+    base (the base from the folder, the adapter from the state), is one line (exit 2) on another base, and a state
+    that holds the base (as checkpoints did before) loads too."""
+    folder, (x, timestep, condition) = calls["sdxl"]
+
+    def model():
+        return LitModel(PipelineDenoiser(str(folder)), adapter=Adapter(rank=4), lr_scaling="none")
+
+    trained = model()
+    with torch.no_grad():
+        for p in trained.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    state = trained.state_dict()
+    adapter = {n for n, p in trained.named_parameters() if p.requires_grad}
+    assert {k for k in state if k.startswith("net.")} == adapter and state["adapter_base"].shape == (32,)
+
+    again = model()
+    again.check_base(state["adapter_base"], "ckpt")
+    again.load_state_dict(state, strict=True)  # the base's names may be missing, nothing else
+    with torch.no_grad():
+        torch.testing.assert_close(again.net(x, timestep, condition), trained.net(x, timestep, condition))
+    with pytest.raises(RuntimeError, match="Missing key"):  # the adapter's may not
+        model().load_state_dict({k: v for k, v in state.items() if "lora_A" not in k}, strict=True)
+
+    net = PipelineDenoiser(str(folder))
+    with torch.no_grad():
+        next(net.parameters()).mul_(1.01)  # a fine-tuned base: one tensor of it
+    other = LitModel(net, adapter=Adapter(rank=4), lr_scaling="none")
+    with pytest.raises(ConfigError, match="the checkpoint ckpt holds an adapter trained on another base than this "
+                                          "run's model.net"):
+        other.check_base(state["adapter_base"], "ckpt")
+
+    whole = {**state, **{f"net.{k}": v for k, v in trained.net.state_dict().items()}}  # the base in it too
+    older = model()
+    older.check_base(None, "ckpt")  # such a checkpoint has no fingerprint: its base is its own
+    older.load_state_dict(whole, strict=True)
+
+
+@pytest.mark.parametrize("family,kind", [("sdxl", "dora"), ("flux", "lokr")])
+def test_a_merged_export_is_the_base_plus_the_adapter_at_its_scale(calls, family, kind, tmp_path):
+    """--merge: the pipeline folder written with the adapter merged into the base's weights computes what the base
+    with the adapter computes, at scale 1 and at another; an adapter on another base is refused."""
+    from diffusers import DiffusionPipeline
+
+    from lit_dist.model.adapter_export import merged_weights
+    from lit_dist.model.adapters import base_fingerprint, base_names, scaled
+    from lit_dist.model.nets.pipeline import write_pipeline
+
+    folder, (x, timestep, condition) = calls[family]
+    adapter = Adapter(kind="lora", rank=4, use_dora=True) if kind == "dora" else Adapter(kind=kind, rank=4)
+    net = PipelineDenoiser(str(folder))
+    adapter.attach(net)
+    fingerprint = base_fingerprint(net, base_names(net))
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    state = {k: v for k, v in net.state_dict().items() if k not in base_names(net)}  # as a checkpoint holds it
+    denoiser = "unet" if family == "sdxl" else "transformer"
+    for scale in (1.0, 0.5):
+        out = write_pipeline(str(folder), merged_weights(net.folder, adapter, state, fingerprint, scale),
+                             str(tmp_path / f"merged-{scale}"))
+        loaded = PipelineDenoiser(str(folder))
+        loaded.model = getattr(DiffusionPipeline.from_pretrained(out), denoiser)
+        with torch.no_grad(), scaled(net, scale):
+            torch.testing.assert_close(loaded.eval()(x, timestep, condition), net.eval()(x, timestep, condition),
+                                       rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        base = PipelineDenoiser(str(folder)).eval()(x, timestep, condition)
+        assert not torch.allclose(loaded(x, timestep, condition), base), "the merge changed nothing"
+        if kind != "dora":  # DoRA's trained magnitudes stay at scale 0
+            with scaled(net, 0.0):  # scale 0: the base alone
+                torch.testing.assert_close(net(x, timestep, condition), base)
+    with pytest.raises(ConfigError, match="is not the base the adapter was trained on"):
+        merged_weights(net.folder, adapter, state, fingerprint.flip(0))

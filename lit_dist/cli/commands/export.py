@@ -9,6 +9,10 @@
     net.load_state_dict(torch.load("model.pt", weights_only=True))             # --format state_dict
     net.load_state_dict(safetensors.torch.load_file("model.safetensors"))      # --format safetensors
     DiffusionPipeline.from_pretrained("sdxl-shapes")                           # --format diffusers
+
+An adapter run's (model.adapter) checkpoint leaves as the adapter alone (a LoRA as diffusers'
+pytorch_lora_weights.safetensors; ``pipeline.load_lora_weights(folder)``), or with ``--merge true`` as the whole
+pipeline with the adapter merged into its denoiser's weights.
 """
 
 import os
@@ -24,7 +28,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_pickle: bool = False,
            format: Literal["auto", "diffusers", "safetensors", "state_dict"] = "auto", pipeline: str | None = None,
-           dtype: Literal["fp32", "bf16", "fp16"] = "fp32") -> None:
+           dtype: Literal["fp32", "bf16", "fp16"] = "fp32", merge: bool = False, adapter_scale: float = 1.0) -> None:
     """Write the wrapped network of a checkpoint for use outside lit-dist.
 
     Args:
@@ -38,6 +42,9 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
             safetensors for an output ending in .safetensors, else state_dict.
         pipeline: The pipeline folder the run fine-tuned; default: pipeline.path of the run's config.yaml.
         dtype: Floating-point type of the weights written: fp32, or bf16/fp16 for half the size.
+        merge: An adapter run's: write the whole pipeline with the adapter merged into the denoiser's weights
+            (loaded from --pipeline), instead of the adapter alone.
+        adapter_scale: With merge, the strength of the adapter merged in: its update times this.
     """
     from lit_dist.ckpt.model_card import run_config, run_dir_of
 
@@ -50,11 +57,23 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
     if format == "diffusers" and not base:
         raise ConfigError(f"--format diffusers writes a pipeline fine-tuned from a pipeline folder, and {checkpoint} "
                           "has no run config.yaml naming one (pipeline.path): give it with --pipeline FOLDER")
-    state = to_full_precision(network_state(load_checkpoint_state(checkpoint, trust_pickle), ema))
+    spec = ((config.get("model") or {}).get("init_args") or {}).get("adapter")
+    if (merge or adapter_scale != 1.0) and not (spec and format == "diffusers"):
+        raise ConfigError(f"--merge and --adapter_scale are for an adapter run's pipeline (model.adapter), and "
+                          f"{checkpoint}'s run has no adapter" + ("" if spec else " in its config.yaml"))
+    if adapter_scale != 1.0 and not merge:
+        raise ConfigError(f"--adapter_scale {adapter_scale:g} without --merge true: the adapter alone is written as "
+                          "trained; diffusers sets its strength at load (pipeline.set_adapters(..., "
+                          "adapter_weights=...)), or merge it at that scale with --merge true")
+    whole = load_checkpoint_state(checkpoint, trust_pickle)
+    state = to_full_precision(network_state(whole, ema))
+    if merge:  # the adapter into the base's float32 weights, then the dtype asked for
+        state = _merged(base, spec, state, whole.get("adapter_base"), adapter_scale)
     state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
     count = sum(v.numel() for v in state.values())
     if format == "diffusers":
-        _diffusers(checkpoint, base, state, output, config, ema)
+        _diffusers(checkpoint, base, state, output, config, ema, spec if not merge else None,
+                   f" with its adapter merged in at scale {adapter_scale:g}" if merge else "")
     elif format == "safetensors":
         _safetensors(state, output)
     else:
@@ -62,13 +81,23 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
     print(f"lit-dist export: {len(state)} tensors ({count:,} values, {dtype}) from {checkpoint} -> {output} ({format})")
 
 
-def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dict, ema: bool) -> None:
+def _merged(base: str, spec: dict, state: dict, fingerprint, scale: float) -> dict:
+    from lit_dist.cache.pipelines import read_folder
+    from lit_dist.model.adapter_export import merged_weights
+    from lit_dist.model.adapters import Adapter
+
+    return merged_weights(read_folder(base, "--pipeline"), Adapter(**(spec.get("init_args") or {})), state,
+                          fingerprint, scale)
+
+
+def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dict, ema: bool, spec: dict | None,
+               merged: str) -> None:
+    """A pipeline folder with its model card; ``spec``: the run's adapter, written alone."""
     from lit_dist.cache.pipelines import read_folder
     from lit_dist.ckpt.model_card import checkpoint_facts, run_dir_of, write_card
     from lit_dist.model.nets.pipeline import write_pipeline
 
     folder = read_folder(base, "--pipeline")
-    spec = ((config.get("model") or {}).get("init_args") or {}).get("adapter")
     card = None
     if spec:  # an adapter run: the adapter alone (lit_dist/model/adapter_export.py)
         from pathlib import Path
@@ -82,8 +111,9 @@ def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dic
         card = adapter_card(adapter, folder, output, kind)
     else:
         target = write_pipeline(base, state, output)
-    write_card(target, folder.path, folder.family.name, folder.index["_class_name"], f"checkpoint `{checkpoint}`",
-               config, ema, checkpoint_facts(checkpoint), run_dir_of(checkpoint), adapter=card)
+    write_card(target, folder.path, folder.family.name, folder.index["_class_name"],
+               f"checkpoint `{checkpoint}`{merged}", config, ema, checkpoint_facts(checkpoint), run_dir_of(checkpoint),
+               adapter=card)
 
 
 def _safetensors(state: dict, output: str) -> None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # typed, so that building the command's parser reads no stubs
 def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num: int | None = None,
            guidance: float | None = None, steps: int | None = None, seed: int | None = None,
            output: str = "samples.png", ema: bool | None = None, device: str = "auto",
-           trust_pickle: bool = False) -> int:
+           trust_pickle: bool = False, adapter_scale: float | None = None) -> int:
     """Images from a checkpoint of a generative run (model.objective FlowMatching or Diffusion), as a PNG grid.
 
     Args:
@@ -44,11 +44,14 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
             run's own samples (the average once it has had an update, unless model.ema.evaluate is false).
         device: Where to sample: auto (a GPU when there is one), cpu, cuda or cuda:N.
         trust_pickle: Unpickle whatever types the checkpoint names (only for a file you trust).
+        adapter_scale: Strength of the run's model.adapter: its update times this (0: the base alone); default:
+            the run's samples.adapter_scale.
     """
     import torch
 
     from lit_dist.ckpt.export import load_checkpoint_state, network_state
     from lit_dist.model import conditions
+    from lit_dist.model.adapters import scaled
     from lit_dist.model.objectives import Generative
     from lit_dist.model.sampling import (
         decode,
@@ -71,6 +74,9 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
     steps = steps if steps is not None else getattr(run_samples, "steps", 30)
     guidance = guidance if guidance is not None else getattr(run_samples, "guidance", 4.0)
     seed = seed if seed is not None else getattr(run_samples, "seed", 0)
+    adapter_scale = adapter_scale if adapter_scale is not None else getattr(run_samples, "adapter_scale", 1.0)
+    if adapter_scale != 1.0 and getattr(model, "adapter", None) is None:
+        raise ConfigError(f"--adapter_scale {adapter_scale:g}: the run has no model.adapter to scale")
     if num < 1:
         raise ConfigError(f"--num {num}: must be at least 1")
     target = _device(device)
@@ -93,7 +99,11 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
 
     state = load_checkpoint_state(checkpoint, trust_pickle)
     averaged = _use_average(ema, model, state)
+    if getattr(model, "adapter", None) is not None:  # its checkpoint holds the adapter; the base is the folder's
+        model.check_base(state.get("adapter_base"), checkpoint)
     missing, unexpected = model.net.load_state_dict(network_state(state, averaged), strict=False)
+    base = {name.removeprefix("net.") for name in getattr(model, "base_state", ())}
+    missing = [name for name in missing if name not in base]
     if missing or unexpected:
         raise DataError(f"checkpoint {checkpoint} does not fit model.net: {len(missing)} missing keys "
                         f"({', '.join(missing[:3])}), {len(unexpected)} unexpected ({', '.join(unexpected[:3])})")
@@ -104,7 +114,7 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
     total = rows * num
     per_call = getattr(run_samples, "batch_size", None) or total  # the run's groups: the same arithmetic
     images = []
-    with torch.no_grad():
+    with torch.no_grad(), scaled(net, adapter_scale):
         for start in range(0, total, per_call):
             indices = range(start, min(start + per_call, total))
             group = conditions.take(condition, torch.tensor([i // num for i in indices]))
@@ -121,6 +131,8 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
         scored = f"; adherence {float(correct.float().mean()):.3f} ({int(correct.sum())} of {len(correct)})"
     weights = f"the weight average ({int(state['ema.updates'])} updates)" if averaged and "ema.updates" in state \
         else "the weight average" if averaged else "the trained weights"
+    if getattr(model, "adapter", None) is not None:
+        weights += f" and the adapter at scale {adapter_scale:g}"
     print(f"lit-dist sample: {total} images ({rows} prompts x {num}, {steps} steps, guidance {guidance}, seed {seed}) "
           f"with {weights} on {target} -> {output}{scored}")
     return 0
