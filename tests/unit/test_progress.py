@@ -124,15 +124,39 @@ def test_a_loader_without_a_length_prints_steps_without_a_total_unless_max_steps
 
 
 def test_a_flop_meter_that_fails_to_start_stays_stopped(monkeypatch):
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from lit_dist.watch.perf import FlopMeter
 
     def refuse(self):
         raise RuntimeError("a mode stack that does not take it")
 
-    monkeypatch.setattr(FlopCounterMode, "__enter__", refuse)
+    monkeypatch.setattr(TorchDispatchMode, "__enter__", refuse)
     meter = FlopMeter()
     with pytest.raises(RuntimeError):
         meter.start()
     assert not meter.running  # so nobody stops (exits) a mode that was never entered
+
+
+def test_the_flop_meter_counts_what_torch_s_flop_counter_counts():
+    """Convolutions, linear layers and attention, forward and backward (the frozen layer's weight gradient not
+    computed, so not counted): the meter's light counter and torch's FlopCounterMode agree."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lit_dist.watch.perf import FlopMeter
+
+    conv, frozen, proj = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Linear(8, 8), torch.nn.Linear(8, 24)
+    frozen.requires_grad_(False)
+
+    def step():
+        h = conv(torch.randn(2, 3, 8, 8)).flatten(2).transpose(1, 2)  # (2, 64, 8)
+        q, k, v = proj(frozen(h)).chunk(3, dim=-1)
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).square().mean().backward()
+
+    meter = FlopMeter()
+    meter.start()
+    step()
+    counted = meter.stop()
+    with FlopCounterMode(display=False) as reference:
+        step()
+    assert counted == reference.get_total_flops() > 0
