@@ -52,7 +52,7 @@ def write_pipeline(folder: str, channels: tuple[int, ...]) -> None:
     unet.save_pretrained(os.path.join(folder, "unet"), safe_serialization=True)
 
 
-def lit_dist_run(args, folder: str, table: str, cache: str, root: str, run_id: str) -> dict:
+def lit_dist_run(args, folder: str, table: str, cache: str, root: str, run_id: str, *extra: str) -> dict:
     return run_bench([sys.executable, "-m", "lit_dist", "fit", "--pipeline.path", folder, "--data.metadata", table,
                       "--data.resolution", str(args.resolution), "--data.batch_size_per_device", str(args.batch),
                       "--data.num_workers", "1", "--data.allow_oversubscription", "true", "--data.random_crop", "false",
@@ -64,13 +64,13 @@ def lit_dist_run(args, folder: str, table: str, cache: str, root: str, run_id: s
                       "--checkpoint.every_n_epochs", "null", "--checkpoint.save_last", "false",
                       "--export.filename", "null", "--run.root_dir", root, "--run.run_id", run_id,
                       "--trainer.callbacks+=benchmarks.common.StepTimer",
-                      "--trainer.callbacks.warmup_steps", str(args.warmup_steps)])
+                      "--trainer.callbacks.warmup_steps", str(args.warmup_steps), *extra])
 
 
-def baseline_run(args, folder: str, table: str) -> dict:
+def baseline_run(args, folder: str, table: str, *extra: str) -> dict:
     return run_bench([sys.executable, "-m", "benchmarks.diffusers_loop", "--pipeline", folder, "--metadata", table,
                       "--resolution", str(args.resolution), "--batch-size", str(args.batch), "--steps", str(args.steps),
-                      "--warmup-steps", str(args.warmup_steps)])
+                      "--warmup-steps", str(args.warmup_steps), *extra])
 
 
 def main() -> None:

@@ -9,6 +9,11 @@ and centre-cropped to ``--resolution``, the micro-conditioning ``time_ids`` from
 DDPM noise schedule from the folder's ``scheduler/`` (epsilon), AdamW, MSE. Prints one ``BENCH`` line: the wall
 time of the first step and the steps/s after ``--warmup-steps``.
 
+With ``--lora-rank R`` it trains a LoRA on the frozen U-Net instead, as ``examples/dreambooth/
+train_dreambooth_lora_sdxl.py`` does (the baseline of bench_lora): ``unet.requires_grad_(False)``, peft's
+``LoraConfig(r=R, lora_alpha=R, init_lora_weights="gaussian", target_modules=["to_k", "to_q", "to_v",
+"to_out.0"])`` put in with ``unet.add_adapter``, AdamW over the parameters that require a gradient.
+
     python -m benchmarks.diffusers_loop --pipeline FOLDER --metadata shapes/metadata.parquet --steps 60
 """
 
@@ -31,6 +36,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA of this rank (0: the whole U-Net)")
     args = parser.parse_args()
 
     import pyarrow.parquet as pq
@@ -84,7 +90,15 @@ def main() -> None:
     del vae, encoders  # the script frees them too
     dataset = torch.utils.data.TensorDataset(torch.cat(latents), torch.cat(hidden), torch.cat(pooled), torch.cat(time_ids))
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=args.lr)
+    params = unet.parameters()
+    if args.lora_rank:  # train_dreambooth_lora_sdxl.py's adapter
+        from peft import LoraConfig
+
+        unet.requires_grad_(False)
+        unet.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank, init_lora_weights="gaussian",
+                                    target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+        params = [p for p in unet.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
     unet, optimizer, loader = accelerator.prepare(unet, optimizer, loader)
     unet.train()
 

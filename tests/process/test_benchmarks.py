@@ -23,6 +23,7 @@ BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("bench_*.py")) + 
 # Optional extras (pyproject's [project.optional-dependencies]; .ci/setup installs them all) a benchmark needs.
 EXTRAS = {"bench_cache": ["diffusers"], "bench_generative": ["diffusers", "transformers"],
           "bench_pipeline": ["diffusers", "transformers", "accelerate"],
+          "bench_lora": ["diffusers", "transformers", "accelerate", "peft"],
           "bench_pipeline_quality": ["diffusers", "transformers"],
           "bench_strategies": ["deepspeed"]}
 # Its target is about CUDA synchronisations: without a GPU its line says met null, which is the truth.

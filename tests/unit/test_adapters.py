@@ -188,3 +188,50 @@ def test_a_merged_export_is_the_base_plus_the_adapter_at_its_scale(calls, family
                 torch.testing.assert_close(net(x, timestep, condition), base)
     with pytest.raises(ConfigError, match="is not the base the adapter was trained on"):
         merged_weights(net.folder, adapter, state, fingerprint.flip(0))
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_a_kohya_export_loads_into_the_family_s_pipeline_and_computes_the_same(calls, family, tmp_path):
+    """--format kohya: one file of lora_unet_* names (lora_down, lora_up, alpha), which diffusers' load_lora_weights
+    reads with its converter of kohya's files (as ComfyUI reads them): the same outputs as lit-dist's."""
+    from diffusers import DiffusionPipeline
+    from safetensors import safe_open
+
+    from lit_dist.model.adapter_export import write_adapter
+
+    folder, (x, timestep, condition) = calls[family]
+    net = PipelineDenoiser(str(folder))
+    adapter = Adapter(kind="lora", rank=4, alpha=2)  # a scale of 0.5: the alpha must travel
+    adapter.attach(net)
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+        expected = net(x, timestep, condition)
+    out = tmp_path / "shapes-lora"
+    assert write_adapter(net.folder, net.model, adapter, {f"model.{k}": v for k, v in net.model.state_dict().items()},
+                         str(out), kohya=True) == "kohya"
+    with safe_open(str(out / "shapes-lora.safetensors"), "pt") as f:
+        keys, meta = list(f.keys()), f.metadata()
+    assert keys and all(k.startswith("lora_unet_") and k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
+                        for k in keys), keys[:4]
+    assert meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "2"
+    pipeline = DiffusionPipeline.from_pretrained(folder)
+    pipeline.load_lora_weights(str(out), weight_name="shapes-lora.safetensors")
+    loaded = PipelineDenoiser(str(folder))
+    loaded.model = pipeline.unet
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x, timestep, condition), expected)
+
+
+def test_kohya_s_names_are_refused_where_they_would_not_load(calls, tmp_path):
+    from lit_dist.model.adapter_export import write_adapter
+
+    for family, adapter, says in (("flux", Adapter(rank=4), "pipeline is flux"),
+                                  ("sdxl", Adapter(kind="lokr", rank=4), "this run trained a lokr")):
+        net = PipelineDenoiser(str(calls[family][0]))
+        adapter.attach(net)
+        with pytest.raises(ConfigError, match=f"--format kohya: .*{says}"):
+            write_adapter(net.folder, net.model, adapter, {f"model.{k}": v for k, v in net.model.state_dict().items()},
+                          str(tmp_path / family), kohya=True)
+        assert not (tmp_path / family).exists()

@@ -16,7 +16,8 @@ from lit_dist.runtime.run_dir import RunConfig, check_writable, resolve_run_id
 from tests.conftest import CONFIGS, lit_dist, quickstart_args
 from tests.helpers.small_fs import tmpfs
 
-FINETUNE = sorted(CONFIGS.glob("*_finetune.yaml"))  # standalone, each naming a pipeline folder of its family
+# Standalone, each naming a pipeline folder of its family (the name's first part): full fine-tunes and adapters.
+FINETUNE = sorted(p for pattern in ("*_finetune.yaml", "*_lora.yaml", "*_lokr.yaml") for p in CONFIGS.glob(pattern))
 SHIPPED = sorted(set(CONFIGS.glob("*.yaml")) - set(FINETUNE))
 
 
@@ -45,7 +46,7 @@ def test_every_finetune_config_builds_from_a_folder_of_its_family(config, tmp_pa
     from lit_dist.model.nets.pipeline import PipelineDenoiser
     from tests.helpers.pipelines import save_pipeline
 
-    family = config.name.removesuffix("_finetune.yaml")
+    family = config.name.split("_")[0]
     folder = save_pipeline(family, tmp_path / family)
     cli = LitDistCLI(args=["--config", str(config), "--pipeline.path", str(folder), "--data.metadata", str(demo_data),
                            "--data.cache.dir", str(tmp_path / "cache"), "--run.root_dir", str(tmp_path)], run=False)
@@ -53,6 +54,12 @@ def test_every_finetune_config_builds_from_a_folder_of_its_family(config, tmp_pa
     assert type(cli.model.objective).__name__ == ("FlowMatching" if family in ("sd3", "flux") else "Diffusion")
     assert cli.datamodule.cache.caption_encoder["init_args"]["pipeline"] == str(folder)
     assert cli.trainer.default_root_dir.startswith(str(tmp_path))
+    kind = config.stem.split("_")[1]
+    if kind in ("lora", "lokr"):  # an adapter config: the adapter in the denoiser, the rest frozen
+        pytest.importorskip("peft")
+        assert cli.model.adapter.kind == kind
+        assert any(p.requires_grad for p in cli.model.net.parameters())
+        assert not all(p.requires_grad for p in cli.model.net.parameters())
 
 
 def test_a_strategy_class_named_on_the_command_line_is_that_class(tmp_path, demo_data):

@@ -27,7 +27,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_pickle: bool = False,
-           format: Literal["auto", "diffusers", "safetensors", "state_dict"] = "auto", pipeline: str | None = None,
+           format: Literal["auto", "diffusers", "kohya", "safetensors", "state_dict"] = "auto",
+           pipeline: str | None = None,
            dtype: Literal["fp32", "bf16", "fp16"] = "fp32", merge: bool = False, adapter_scale: float = 1.0) -> None:
     """Write the wrapped network of a checkpoint for use outside lit-dist.
 
@@ -37,9 +38,11 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
         ema: Write the network with its weight average (model.ema) in place of the trained weights.
         trust_pickle: Unpickle whatever types the checkpoint names (unpickling can run any code): only for a file
             you trust. Without it, a checkpoint holding a type beyond lit-dist's own is refused (exit code 3).
-        format: diffusers (a pipeline folder DiffusionPipeline.from_pretrained loads, with a model card),
-            safetensors (one file), state_dict (torch.save); auto: diffusers for a run of pipeline.path, else
-            safetensors for an output ending in .safetensors, else state_dict.
+        format: diffusers (a pipeline folder DiffusionPipeline.from_pretrained loads, with a model card; an adapter
+            run's adapter alone, as diffusers or peft load it), kohya (an SD 1.5 or SDXL LoRA under the names
+            kohya's scripts and ComfyUI read, one file in a folder), safetensors (one file), state_dict
+            (torch.save); auto: diffusers for a run of pipeline.path, else safetensors for an output ending in
+            .safetensors, else state_dict.
         pipeline: The pipeline folder the run fine-tuned; default: pipeline.path of the run's config.yaml.
         dtype: Floating-point type of the weights written: fp32, or bf16/fp16 for half the size.
         merge: An adapter run's: write the whole pipeline with the adapter merged into the denoiser's weights
@@ -54,13 +57,19 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
     base = pipeline or (config.get("pipeline") or {}).get("path")
     if format == "auto":
         format = "diffusers" if base else "safetensors" if output.endswith(".safetensors") else "state_dict"
-    if format == "diffusers" and not base:
-        raise ConfigError(f"--format diffusers writes a pipeline fine-tuned from a pipeline folder, and {checkpoint} "
+    if format in ("diffusers", "kohya") and not base:
+        raise ConfigError(f"--format {format} writes a pipeline fine-tuned from a pipeline folder, and {checkpoint} "
                           "has no run config.yaml naming one (pipeline.path): give it with --pipeline FOLDER")
     spec = ((config.get("model") or {}).get("init_args") or {}).get("adapter")
-    if (merge or adapter_scale != 1.0) and not (spec and format == "diffusers"):
-        raise ConfigError(f"--merge and --adapter_scale are for an adapter run's pipeline (model.adapter), and "
-                          f"{checkpoint}'s run has no adapter" + ("" if spec else " in its config.yaml"))
+    if format == "kohya" and not spec:
+        raise ConfigError(f"--format kohya writes an adapter run's LoRA, and {checkpoint}'s run has no model.adapter "
+                          "in its config.yaml")
+    if (merge or adapter_scale != 1.0) and not spec:
+        raise ConfigError(f"--merge and --adapter_scale are for an adapter run (model.adapter), and {checkpoint}'s "
+                          "run has none in its config.yaml")
+    if merge and format != "diffusers":
+        raise ConfigError(f"--merge writes a diffusers pipeline folder, and --format is {format}: leave --format "
+                          "at auto")
     if adapter_scale != 1.0 and not merge:
         raise ConfigError(f"--adapter_scale {adapter_scale:g} without --merge true: the adapter alone is written as "
                           "trained; diffusers sets its strength at load (pipeline.set_adapters(..., "
@@ -71,9 +80,9 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
         state = _merged(base, spec, state, whole.get("adapter_base"), adapter_scale)
     state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
     count = sum(v.numel() for v in state.values())
-    if format == "diffusers":
+    if format in ("diffusers", "kohya"):
         _diffusers(checkpoint, base, state, output, config, ema, spec if not merge else None,
-                   f" with its adapter merged in at scale {adapter_scale:g}" if merge else "")
+                   f" with its adapter merged in at scale {adapter_scale:g}" if merge else "", kohya=format == "kohya")
     elif format == "safetensors":
         _safetensors(state, output)
     else:
@@ -91,8 +100,9 @@ def _merged(base: str, spec: dict, state: dict, fingerprint, scale: float) -> di
 
 
 def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dict, ema: bool, spec: dict | None,
-               merged: str) -> None:
-    """A pipeline folder with its model card; ``spec``: the run's adapter, written alone."""
+               merged: str, kohya: bool = False) -> None:
+    """A pipeline folder with its model card; ``spec``: the run's adapter, written alone (under kohya's names
+    with ``kohya``)."""
     from lit_dist.cache.pipelines import read_folder
     from lit_dist.ckpt.model_card import checkpoint_facts, run_dir_of, write_card
     from lit_dist.model.nets.pipeline import write_pipeline
@@ -106,7 +116,7 @@ def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dic
         from lit_dist.model.adapters import Adapter
 
         adapter = Adapter(**(spec.get("init_args") or {}))
-        kind = write_adapter(folder, empty_adapted_denoiser(folder, adapter), adapter, state, output)
+        kind = write_adapter(folder, empty_adapted_denoiser(folder, adapter), adapter, state, output, kohya=kohya)
         target = Path(output).expanduser().absolute()
         card = adapter_card(adapter, folder, output, kind)
     else:
