@@ -334,14 +334,14 @@ class LitModel(LightningModule):
             raise RuntimeError("lit-dist: a checkpoint was asked for while validation holds the weight average in the "
                                "parameters; it would save the average as the raw weights")
         if self.adapter is not None:  # for the line that refuses a resume on another base
-            checkpoint["adapter_base"] = self._base_name()
+            checkpoint["adapter_base_name"] = self._base_name()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("state_dict")
         if self.adapter is not None:
             # A sharded or DeepSpeed checkpoint is in the model already; a whole one is loaded after this hook.
             self.check_base(state.get("adapter_base") if state is not None else self.adapter_base,
-                            getattr(self._trainer, "ckpt_path", None) or "being loaded", checkpoint.get("adapter_base"))
+                            getattr(self._trainer, "ckpt_path", None) or "being loaded", checkpoint.get("adapter_base_name"))
         if state is None:  # a sharded checkpoint: the strategy loaded the model itself (start_unsaved)
             if self.ema is not None and self._uncounted:
                 self.ema.assume_updates(checkpoint.get("global_step", 0))

@@ -39,5 +39,21 @@ def test_a_run_shorter_than_the_warm_up_says_that_it_timed_nothing():
 
 @pytest.mark.process
 def test_a_failed_command_is_an_error_with_its_output():
-    with pytest.raises(RuntimeError, match="failed:\n.*\nboom"):
+    with pytest.raises(RuntimeError, match="failed \\(exit 3\\):\n.*\nboom"):
         common.run_bench([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"])
+
+
+@pytest.mark.process
+def test_a_hung_command_forked_from_the_warm_process_ends_with_its_stacks(monkeypatch):
+    """LIT_DIST_BENCH_WARM=1 (the tests' short runs): a python -m command runs as a fork of the benchmark's warm
+    process (its stack shows it), and a hang there ends as one in a new interpreter does."""
+    monkeypatch.setenv(common.WARM_ENV, "1")
+    monkeypatch.setattr(common, "_WARM", [])
+    monkeypatch.setattr(common, "COMMAND_TIMEOUT_S", 6)
+    try:
+        with pytest.raises(RuntimeError, match=r"hung for 6 s; its stacks:\n.*Fatal Python error: Aborted") as err:
+            common.run_bench([sys.executable, "-m", "timeit", "-n", "1", "-r", "1", "import time; time.sleep(600)"])
+        assert "zygote.py" in str(err.value), "not forked from the warm process"
+        assert common.command([sys.executable, "-m", "platform"]).stdout.strip(), "a forked command's output"
+    finally:
+        common._WARM[0].close()
