@@ -160,6 +160,11 @@ def test_a_process_started_in_a_session_of_its_own_is_found_by_its_tag_and_kille
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
                              env={**os.environ, tag[0]: tag[1]})
     try:
+        # Between Popen's fork and the child's exec, /proc shows the parent's environment, without the tag: on a
+        # loaded machine that window was still open when tagged() looked (seen once in CI).
+        deadline = time.monotonic() + 10
+        while tagged(*tag) != [child.pid] and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert tagged(*tag) == [child.pid]
         left = left_after(-1, 0.5, tag)  # no session: found by its tag alone
         assert child.pid in left and "time.sleep(600)" in left[child.pid], left
