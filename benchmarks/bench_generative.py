@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from benchmarks.common import SHORT_HELP, lit_dist, machine, result_line, run_bench
+from benchmarks.common import SHORT_HELP, checks, lit_dist, machine, result_line, run_bench
 
 PROMPTS = ("a red circle on a white background; a blue square on a yellow background; "
            "a green triangle on a black background; a white cross on a blue background")
@@ -244,13 +244,12 @@ def main() -> None:
         figures |= sampling(args, tmp, common)
     if "ema" in args.parts:
         figures |= ema(args, tmp)
-    checks = {name: (value >= target if op == ">=" else value <= target)
-              for name, (op, target) in TARGETS.items() if (value := figures.get(name)) is not None}
+    met = checks(figures, TARGETS)
     if "ema_not_worse" in figures:
-        checks["ema_not_worse"] = figures["ema_not_worse"]
+        met["ema_not_worse"] = figures["ema_not_worse"]
     primary = next((name for name in TARGETS if name in figures), None)
     result_line("generative", figures.get(primary), f"{TARGETS[primary][0]} {TARGETS[primary][1]}" if primary else None,
-                all(checks.values()) if checks else None, primary=primary, checks=checks, device=device, **figures,
+                all(met.values()) if met else None, primary=primary, checks=met, device=device, **figures,
                 short=args.short)
 
 

@@ -29,8 +29,8 @@ import tempfile
 
 import torch
 
-from benchmarks.bench_pipeline import baseline_run, lit_dist_run, write_pipeline
-from benchmarks.common import SHORT_HELP, machine, result_line
+from benchmarks.bench_pipeline import add_arguments, baseline_run, lit_dist_run, shorten, write_pipeline
+from benchmarks.common import checks, machine, result_line
 
 TARGETS = {"step_ratio": (">=", 1.0), "checkpoint_ratio": ("<=", 1.2), "fsdp2_memory_ratio": ("<=", 0.6),
            "fsdp2_step_ratio": (">=", 0.8)}
@@ -63,19 +63,12 @@ def trainable_share(folder: str, rank: int) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=4096, help="demo shapes")
-    parser.add_argument("--resolution", type=int, default=64, help="pixels a side (latents half that)")
-    parser.add_argument("--batch", type=int, default=8)
+    add_arguments(parser, repeats=5)
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds: a run of each side")
-    parser.add_argument("--channels", type=int, nargs="+", default=[64, 128, 256], help="the U-Net's levels")
-    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
     if args.short:
-        args.images, args.resolution, args.batch, args.steps, args.warmup_steps = 32, 32, 4, 4, 2
-        args.repeats, args.channels, args.rank = 1, [32, 64], 4
+        shorten(args)
+        args.rank = 4
     print(f"machine: {machine()}; U-Net levels {args.channels}, LoRA rank {args.rank}, batch {args.batch}, "
           f"{args.resolution} pixels, {args.images} demo shapes")
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-lora-")
@@ -130,9 +123,8 @@ def main() -> None:
           f"{figures['ddp_rank_bytes'] / 2**20:.1f} MiB (x{figures['fsdp2_memory_ratio']:.3f}); steps/s FSDP2 "
           f"{figures['fsdp2_steps_per_s']}, DDP {figures['ddp_steps_per_s']} (x{figures['fsdp2_step_ratio']:.3f})")
     shutil.rmtree(tmp, ignore_errors=True)
-    checks = {name: (figures[name] >= target if op == ">=" else figures[name] <= target)
-              for name, (op, target) in TARGETS.items()}
-    result_line("lora", figures["step_ratio"], ">= 1.0", all(checks.values()), checks=checks, machine=machine(),
+    met = checks(figures, TARGETS)
+    result_line("lora", figures["step_ratio"], ">= 1.0", all(met.values()), checks=met, machine=machine(),
                 **figures, short=args.short)
 
 

@@ -27,13 +27,15 @@ import torch
 
 from benchmarks.bench_pipeline_quality import (
     JUDGE,
+    add_arguments,
     fit,
     judged_reconstructions,
+    shorten,
     train_judge,
     train_vae,
     write_base,
 )
-from benchmarks.common import SHORT_HELP, lit_dist, machine, result_line, run_bench
+from benchmarks.common import lit_dist, machine, result_line, run_bench
 
 TARGET = 0.8
 
@@ -130,24 +132,15 @@ def run(args, tmp: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
     parser.add_argument("--held", default="triangle", help="the shape the pretrained pipeline never sees")
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--images", type=int, default=3000, help="demo shapes (the quickstarts' 3,000)")
-    parser.add_argument("--vae-steps", type=int, default=1500)
-    parser.add_argument("--pretrain-steps", type=int, default=4000)
     parser.add_argument("--lora-steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=1e-3, help="the LoRA's learning rate")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--channels", type=int, nargs="+", default=[32, 64, 128], help="the U-Net's levels")
-    parser.add_argument("--prompts", type=int, default=8, help="validation captions per score (4 images each)")
-    parser.add_argument("--sample-steps", type=int, default=25)
-    parser.add_argument("--judge", help="the quickstart classifier's model.pt; default: train it here")
-    parser.add_argument("--judge-epochs", type=int)
-    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
     if args.short:
-        args.images, args.vae_steps, args.pretrain_steps, args.lora_steps = 160, 2, 4, 4
-        args.batch, args.channels, args.prompts, args.sample_steps, args.judge_epochs = 8, [16, 32], 2, 2, 1
+        shorten(args)
+        args.lora_steps = 4
     print(f"machine: {machine()}; {args.images} demo shapes, {args.held} held out; U-Net levels {args.channels}")
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-lora-quality-")
     try:

@@ -160,13 +160,11 @@ def fit(args, folder: str, table: str, tmp: str, run_id: str, steps: int, every:
         "--trainer.callbacks+=benchmarks.common.SamplingTime", *extra])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The judge, VAE, base folder and pretraining of a quality run (this benchmark's, and bench_lora_quality's)."""
     parser.add_argument("--images", type=int, default=3000, help="demo shapes (the quickstarts' 3,000)")
     parser.add_argument("--vae-steps", type=int, default=1500, help="steps of the VAE's training, batch 32")
     parser.add_argument("--pretrain-steps", type=int, default=4000, help="steps of the pretraining run")
-    parser.add_argument("--finetune-steps", type=int, default=200, help="steps of each fine-tuning run")
-    parser.add_argument("--every", type=int, default=50, help="fine-tuning steps between validations (samples)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--channels", type=int, nargs="+", default=[32, 64, 128], help="the U-Net's levels")
     parser.add_argument("--prompts", type=int, default=8, help="validation captions per grid (4 images each)")
@@ -174,10 +172,23 @@ def main() -> None:
     parser.add_argument("--judge", help="the quickstart classifier's model.pt; default: train it here (about a minute)")
     parser.add_argument("--judge-epochs", type=int, help="epochs of the judge's training (default: the quickstart's)")
     parser.add_argument("--short", action="store_true", help=SHORT_HELP)
+
+
+def shorten(args: argparse.Namespace) -> None:
+    """--short: every part at tiny sizes."""
+    args.images, args.vae_steps, args.pretrain_steps = 160, 2, 4
+    args.batch, args.channels, args.prompts, args.sample_steps, args.judge_epochs = 8, [16, 32], 2, 2, 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--finetune-steps", type=int, default=200, help="steps of each fine-tuning run")
+    parser.add_argument("--every", type=int, default=50, help="fine-tuning steps between validations (samples)")
     args = parser.parse_args()
     if args.short:
-        args.images, args.vae_steps, args.pretrain_steps, args.finetune_steps, args.every = 160, 2, 4, 4, 2
-        args.batch, args.channels, args.prompts, args.sample_steps, args.judge_epochs = 8, [16, 32], 2, 2, 1
+        shorten(args)
+        args.finetune_steps, args.every = 4, 2
     print(f"machine: {machine()}; {args.images} demo shapes; U-Net levels {args.channels}, batch {args.batch}")
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-quality-")
     try:

@@ -347,6 +347,13 @@ class StateMemory(Callback):
             print("BENCH " + json.dumps({**self.peak, "num_params": params}), flush=True)
 
 
+def checks(figures: dict, targets: dict) -> dict:
+    """{name: whether it met its target} for ``targets`` ({name: (">=" or "<=", bound)}) of ``figures``; a figure
+    the run did not measure (absent or None) is left out."""
+    return {name: (value >= bound if op == ">=" else value <= bound)
+            for name, (op, bound) in targets.items() if (value := figures.get(name)) is not None}
+
+
 def result_line(benchmark: str, ratio, target, met, **extra) -> None:
     """Print the line every benchmark ends its output with: one JSON object, flushed.
 

@@ -30,3 +30,26 @@ def refuse(path, found: list[str]) -> None:
     raise ConfigError(f"the checkpoint {path} {found[0]}{more}: it was saved by another model.net or other settings. "
                       "Resume with the configuration it was saved with (config.yaml in its run directory), or start "
                       "a new run (another run.run_id)")
+
+
+def left_out(keys):
+    """A state-dict post-hook that leaves ``keys`` (under the module's prefix) out of what the module saves."""
+    def hook(module, state_dict, prefix, local_metadata) -> None:
+        for key in keys:
+            state_dict.pop(prefix + key, None)
+    return hook
+
+
+def may_lack(keys):
+    """A load-state-dict post-hook: a state dict may lack ``keys`` (under whatever prefix a wrapper adds, as
+    DeepSpeed's ``_forward_module.``); a strict load then asks for the rest only."""
+    keys = set(keys)
+
+    def hook(module, incompatible) -> None:
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not _under_a_prefix(k, keys)]
+    return hook
+
+
+def _under_a_prefix(key: str, keys: set[str]) -> bool:
+    parts = key.split(".")
+    return any(".".join(parts[i:]) in keys for i in range(len(parts)))

@@ -15,7 +15,7 @@ folder (``lit-dist export --merge true``).
 import copy
 from pathlib import Path
 
-from lit_dist.model.adapters import Adapter, base_fingerprint, base_names, scaled
+from lit_dist.model.adapters import Adapter, adapter_layers, base_fingerprint, base_names, scaled
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights and load_lora_weights name it
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -167,8 +167,7 @@ def merged_weights(folder, adapter: Adapter, state: dict, fingerprint=None, scal
                         f"{len(missing)} weights missing ({', '.join(missing[:3])}), {len(unexpected)} unexpected "
                         f"({', '.join(unexpected[:3])}): was it written by another run?")
     with torch.no_grad(), scaled(net, scale):
-        for layer in net.modules():
-            if hasattr(layer, "merge") and hasattr(layer, "active_adapters"):  # peft's adapter layers
-                layer.merge()
+        for layer in adapter_layers(net):
+            layer.merge()
     whole = net.state_dict()
     return {name.replace(".base_layer.", "."): whole[name] for name in names}

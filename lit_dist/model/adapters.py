@@ -150,14 +150,16 @@ def base_names(net: nn.Module) -> set[str]:
     return {name for name in net.state_dict() if name not in trainable}
 
 
+def adapter_layers(net: nn.Module) -> list[nn.Module]:
+    """The layers of ``net`` that hold an adapter (peft's tuner layers)."""
+    return [m for m in net.modules() if hasattr(m, "set_scale") and hasattr(m, "active_adapters")]
+
+
 @contextmanager
 def scaled(net: nn.Module, scale: float):
     """Within: every adapter layer in ``net`` adds its update times ``scale`` (0: the base alone; 1: as trained),
     as diffusers' ``set_adapters(..., adapter_weights=...)`` does; as trained again after."""
-    layers = [m for m in net.modules() if hasattr(m, "set_scale") and hasattr(m, "active_adapters")]  # peft's
-    if scale == 1.0 or not layers:
-        yield
-        return
+    layers = adapter_layers(net) if scale != 1.0 else []
     for layer in layers:
         for name in layer.active_adapters:
             layer.set_scale(name, scale)

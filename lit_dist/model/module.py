@@ -39,7 +39,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lit_dist.ckpt.match import differences, refuse
+from lit_dist.ckpt.match import differences, left_out, may_lack, refuse
 from lit_dist.errors import ConfigError
 from lit_dist.model.adapters import Adapter, base_fingerprint, base_names
 from lit_dist.model.conditions import Condition
@@ -161,8 +161,8 @@ class LitModel(LightningModule):
             # A checkpoint holds the adapter and, in place of the base, this fingerprint of it (on_load_checkpoint).
             self.register_buffer("adapter_base", base_fingerprint(net, names))
             self._this_base = self.adapter_base.clone()
-            self.register_state_dict_post_hook(_without(self.base_state))
-            self.register_load_state_dict_post_hook(_not_missing(self.base_state))
+            self.register_state_dict_post_hook(left_out(self.base_state))
+            self.register_load_state_dict_post_hook(may_lack(self.base_state))
         self.net = net
         self.ema = ema
         self.objective = objective if objective is not None else Classification(loss)
@@ -498,27 +498,6 @@ class LitModel(LightningModule):
         if "row" in batch:  # BucketDataModule's batches say which metadata row each sample is
             out["row"] = batch["row"]
         return out
-
-
-def _without(names: set[str]):
-    """A state-dict post-hook that leaves ``names`` (under the module's prefix) out."""
-    def hook(module, state_dict, prefix, local_metadata) -> None:
-        for name in names:
-            state_dict.pop(prefix + name, None)
-    return hook
-
-
-def _not_missing(names: set[str]):
-    """A load-state-dict post-hook: ``names`` (under whatever prefix a wrapper adds) may be missing."""
-    def hook(module, incompatible) -> None:
-        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not _named(k, names)]
-    return hook
-
-
-def _named(key: str, names: set[str]) -> bool:
-    """Whether ``key`` is one of ``names`` or one under a wrapper's prefix (DeepSpeed's ``_forward_module.``)."""
-    parts = key.split(".")
-    return any(".".join(parts[i:]) in names for i in range(len(parts)))
 
 
 def fused_where_unset(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

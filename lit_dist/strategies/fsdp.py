@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from lit_dist.ckpt.match import differences, refuse
+from lit_dist.ckpt.match import differences, left_out, may_lack, refuse
 from lit_dist.errors import ConfigError
 
 
@@ -152,8 +152,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             return load()
         # DCP loads what the module's state dict names (so the unsaved keys leave it); a whole file is loaded
         # key by key against the module, non-strictly now that every difference has been checked above.
-        handles = [module.register_state_dict_post_hook(_drop(unsaved)),
-                   module.register_load_state_dict_post_hook(_not_missing(unsaved))]
+        handles = [module.register_state_dict_post_hook(left_out(unsaved)),
+                   module.register_load_state_dict_post_hook(may_lack(unsaved))]
         strict, module.strict_loading = module.strict_loading, module.strict_loading and is_sharded
         try:
             checkpoint = load()
@@ -178,21 +178,6 @@ def _saved_shapes(path: Path, weights_only: bool | None) -> tuple[dict | None, b
 
     # The CLI has vetted its pickles (lit_dist.ckpt.vetting.vet_sharded): the restricted reader reads it the same.
     return sharded.saved_shapes(sharded.ShardReader(str(path), TRUST, trust=weights_only is False)), True
-
-
-def _drop(keys: list[str]):
-    def hook(module, state_dict, prefix, local_metadata):
-        for key in keys:
-            state_dict.pop(prefix + key, None)
-    return hook
-
-
-def _not_missing(keys: list[str]):
-    def hook(module, incompatible):
-        for key in keys:
-            if key in incompatible.missing_keys:
-                incompatible.missing_keys.remove(key)
-    return hook
 
 
 class FSDPStrategy(LightningFSDPStrategy):

@@ -76,12 +76,21 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
                           "adapter_weights=...)), or merge it at that scale with --merge true")
     whole = load_checkpoint_state(checkpoint, trust_pickle)
     state = to_full_precision(network_state(whole, ema))
+    folder = adapter = None
+    if format in ("diffusers", "kohya"):
+        from lit_dist.cache.pipelines import read_folder
+        from lit_dist.model.adapters import Adapter
+
+        folder = read_folder(base, "--pipeline")
+        adapter = Adapter(**(spec.get("init_args") or {})) if spec else None
     if merge:  # the adapter into the base's float32 weights, then the dtype asked for
-        state = _merged(base, spec, state, whole.get("adapter_base"), adapter_scale)
+        from lit_dist.model.adapter_export import merged_weights
+
+        state = merged_weights(folder, adapter, state, whole.get("adapter_base"), adapter_scale)
     state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
     count = sum(v.numel() for v in state.values())
-    if format in ("diffusers", "kohya"):
-        _diffusers(checkpoint, base, state, output, config, ema, spec if not merge else None,
+    if folder is not None:
+        _diffusers(checkpoint, folder, state, output, config, ema, adapter if not merge else None,
                    f" with its adapter merged in at scale {adapter_scale:g}" if merge else "", kohya=format == "kohya")
     elif format == "safetensors":
         _safetensors(state, output)
@@ -90,37 +99,24 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
     print(f"lit-dist export: {len(state)} tensors ({count:,} values, {dtype}) from {checkpoint} -> {output} ({format})")
 
 
-def _merged(base: str, spec: dict, state: dict, fingerprint, scale: float) -> dict:
-    from lit_dist.cache.pipelines import read_folder
-    from lit_dist.model.adapter_export import merged_weights
-    from lit_dist.model.adapters import Adapter
+def _diffusers(checkpoint: str, folder, state: dict, output: str, config: dict, ema: bool, adapter, merged: str,
+               kohya: bool = False) -> None:
+    """A folder with its model card: the pipeline ``folder`` fine-tuned, or ``adapter`` (the run's) alone, under
+    kohya's names with ``kohya``."""
+    from pathlib import Path
 
-    return merged_weights(read_folder(base, "--pipeline"), Adapter(**(spec.get("init_args") or {})), state,
-                          fingerprint, scale)
-
-
-def _diffusers(checkpoint: str, base: str, state: dict, output: str, config: dict, ema: bool, spec: dict | None,
-               merged: str, kohya: bool = False) -> None:
-    """A pipeline folder with its model card; ``spec``: the run's adapter, written alone (under kohya's names
-    with ``kohya``)."""
-    from lit_dist.cache.pipelines import read_folder
     from lit_dist.ckpt.model_card import checkpoint_facts, run_dir_of, write_card
     from lit_dist.model.nets.pipeline import write_pipeline
 
-    folder = read_folder(base, "--pipeline")
     card = None
-    if spec:  # an adapter run: the adapter alone (lit_dist/model/adapter_export.py)
-        from pathlib import Path
-
+    if adapter is not None:  # an adapter run: the adapter alone (lit_dist/model/adapter_export.py)
         from lit_dist.model.adapter_export import adapter_card, empty_adapted_denoiser, write_adapter
-        from lit_dist.model.adapters import Adapter
 
-        adapter = Adapter(**(spec.get("init_args") or {}))
         kind = write_adapter(folder, empty_adapted_denoiser(folder, adapter), adapter, state, output, kohya=kohya)
         target = Path(output).expanduser().absolute()
         card = adapter_card(adapter, folder, output, kind)
     else:
-        target = write_pipeline(base, state, output)
+        target = write_pipeline(str(folder.path), state, output)
     write_card(target, folder.path, folder.family.name, folder.index["_class_name"],
                f"checkpoint `{checkpoint}`{merged}", config, ema, checkpoint_facts(checkpoint), run_dir_of(checkpoint),
                adapter=card)
