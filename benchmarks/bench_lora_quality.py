@@ -12,7 +12,7 @@
    (target >= 0.8); the same with ``--adapter_scale 0`` (the base alone: near 0 on the held shape). The pretrained
    folder's files are hashed before and after: unchanged.
 
-    .venv/bin/python -m benchmarks.bench_lora_quality [--held triangle] [--rank 8] [--short]
+    .venv/bin/python -m benchmarks.bench_lora_quality [--held triangle] [--rank 8] [--workdir DIR] [--short]
 """
 
 import argparse
@@ -103,19 +103,26 @@ def run(args, tmp: str) -> dict:
     from lit_dist.data.demo.shapes import create_shapes_dataset
 
     table = os.path.join(tmp, "shapes", "metadata.parquet")
-    create_shapes_dataset(table, num_images=args.images, seed=0)
-    others, held = split_table(table, args.held)
-    judge = args.judge or train_judge(tmp, table, args.judge_epochs)
-    vae = train_vae(table, args.vae_steps)  # an autoencoder of any image, as SD's is: it draws nothing
-    print(f"vae: the judge's score on its reconstructions {judged_reconstructions(vae, table, judge):.3f}", flush=True)
-    base = os.path.join(tmp, "base")
-    write_base(base, vae, tuple(args.channels))
-    pretrain = fit(args, base, others, tmp, "pretrain", args.pretrain_steps, max(1, args.pretrain_steps // 4), judge,
-                   1e-3, "--model.ema.decay", "0.999")
-    print(f"pretrain without {args.held}: its grids' adherence {pretrain['adherence']}", flush=True)
     pretrained = os.path.join(tmp, "pretrained")
-    lit_dist("export", os.path.join(tmp, "runs", "quality", "pretrain", "checkpoints"), "--ema", "true", "--output",
-             pretrained)
+    judge = args.judge or os.path.join(tmp, "runs", "quickstart", "judge", "model.pt")
+    pretrain = {"adherence": None}
+    if os.path.isdir(pretrained) and os.path.isfile(judge):  # a kept --workdir: its data, judge and base again
+        others, held = (os.path.join(tmp, "shapes", name) for name in ("others.parquet", "held.parquet"))
+        print(f"reusing {pretrained} and {judge}", flush=True)
+    else:
+        create_shapes_dataset(table, num_images=args.images, seed=0)
+        others, held = split_table(table, args.held)
+        judge = args.judge or train_judge(tmp, table, args.judge_epochs)
+        vae = train_vae(table, args.vae_steps)  # an autoencoder of any image, as SD's is: it draws nothing
+        print(f"vae: the judge's score on its reconstructions {judged_reconstructions(vae, table, judge):.3f}",
+              flush=True)
+        base = os.path.join(tmp, "base")
+        write_base(base, vae, tuple(args.channels))
+        pretrain = fit(args, base, others, tmp, "pretrain", args.pretrain_steps, max(1, args.pretrain_steps // 4),
+                       judge, 1e-3, "--model.ema.decay", "0.999")
+        print(f"pretrain without {args.held}: its grids' adherence {pretrain['adherence']}", flush=True)
+        lit_dist("export", os.path.join(tmp, "runs", "quality", "pretrain", "checkpoints"), "--ema", "true",
+                 "--output", pretrained)
     before = folder_hash(pretrained)
     run_dir = lora_fit(args, pretrained, others, held, tmp)
     held_prompts = val_captions(held, args.prompts)
@@ -137,16 +144,20 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--lora-steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=1e-3, help="the LoRA's learning rate")
+    parser.add_argument("--workdir", help="keep everything here; a pretrained folder already in it is reused")
     args = parser.parse_args()
     if args.short:
         shorten(args)
         args.lora_steps = 4
     print(f"machine: {machine()}; {args.images} demo shapes, {args.held} held out; U-Net levels {args.channels}")
-    tmp = tempfile.mkdtemp(prefix="lit-dist-bench-lora-quality-")
+    tmp = args.workdir or tempfile.mkdtemp(prefix="lit-dist-bench-lora-quality-")
+    if args.workdir:  # kept: a second run reuses its pretrained folder and judge, and trains a new LoRA
+        shutil.rmtree(os.path.join(tmp, "runs", "quality", "lora"), ignore_errors=True)
     try:
         figures = run(args, tmp)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.workdir:
+            shutil.rmtree(tmp, ignore_errors=True)
     ratio = min(figures["held"], figures["others"])
     result_line("lora_quality", ratio, f">= {TARGET}", ratio >= TARGET and figures["base_unchanged"],
                 machine=machine(), **figures, short=args.short)

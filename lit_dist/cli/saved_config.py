@@ -18,9 +18,31 @@ from lit_dist.errors import LitDistError, StorageFull
 class SaveConfig(SaveConfigCallback):
     """Writes ``config.yaml`` into the run directory (rank 0); a failed write is agreed on and raised on every rank.
     lit-dist overwrites the file of an earlier attempt (``save_config_kwargs``), so Lightning's check that it does
-    not exist is left out."""
+    not exist is left out. Where the file exists (a resume into its run directory), it is replaced only once the
+    checkpoint is restored and accepted (on train start): a resume refused at the checkpoint (another base, another
+    network) leaves the config.yaml that the checkpoint was saved with."""
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.already_saved:
+            return
+        path = os.path.join(trainer.log_dir, self.config_filename)  # every rank: log_dir is a broadcast
+        if not trainer.strategy.broadcast(trainer.is_global_zero and os.path.isfile(path)):  # rank 0's answer
+            self._write(trainer, pl_module, stage)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module, "fit")
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn != "fit":  # within a fit, train start comes first (after the sanity check)
+            self._write(trainer, pl_module, "validate")
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module, "test")
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module, "predict")
+
+    def _write(self, trainer, pl_module, stage: str) -> None:
         if self.already_saved:
             return
         log_dir = trainer.log_dir  # every rank: Lightning broadcasts rank 0's
@@ -45,4 +67,3 @@ class SaveConfig(SaveConfigCallback):
             full, line = problem
             raise StorageFull(line) if full else LitDistError(line)
         self.already_saved = True
-

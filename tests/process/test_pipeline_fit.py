@@ -72,6 +72,7 @@ def test_a_pipeline_folder_trains_samples_and_resumes_from_its_saved_config(fami
     out = lit_dist("fit", "--config", str(run / "config.yaml"), "--trainer.max_steps", "6")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from" in (out.stdout + out.stderr).lower() and "step 6/6" in out.stdout + out.stderr
+    assert "max_steps: 6" in (run / "config.yaml").read_text(), "an accepted resume records its own config"
 
     # Out as a pipeline folder diffusers loads, with its card, and drawn from with `lit-dist sample`.
     from diffusers import DiffusionPipeline
@@ -213,6 +214,7 @@ def test_a_lora_trains_resumes_and_leaves_its_adapter_alone_for_diffusers(shapes
     out = lit_dist("fit", "--config", str(run / "config.yaml"), "--trainer.max_steps", "6")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from" in (out.stdout + out.stderr).lower() and "step 6/6" in out.stdout + out.stderr
+    assert "max_steps: 6" in (run / "config.yaml").read_text(), "an accepted resume records its own config"
 
     exported = run / "pipeline"
     weights = load_file(exported / "pytorch_lora_weights.safetensors")
@@ -252,3 +254,5 @@ def test_a_lora_trains_resumes_and_leaves_its_adapter_alone_for_diffusers(shapes
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"holds an adapter trained on another base (the pipeline folder {folder}) than this run's model.net" \
         in out.stderr.strip().splitlines()[-1]
+    # The refused resume leaves the config.yaml the checkpoint was saved with: it still names the right base.
+    assert f"path: {folder}" in (run / "config.yaml").read_text() and str(other) not in (run / "config.yaml").read_text()
