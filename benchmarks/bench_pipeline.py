@@ -56,6 +56,7 @@ def lit_dist_run(args, folder: str, table: str, cache: str, root: str, run_id: s
     return run_bench([sys.executable, "-m", "lit_dist", "fit", "--pipeline.path", folder, "--data.metadata", table,
                       "--data.resolution", str(args.resolution), "--data.batch_size_per_device", str(args.batch),
                       "--data.num_workers", "1", "--data.allow_oversubscription", "true", "--data.random_crop", "false",
+                      "--data.max_aspect", "1.0",
                       "--data.cache.dir", cache, "--model.optimizer.init_args.lr", "1e-4",
                       "--trainer.max_steps", str(args.steps), "--trainer.limit_val_batches", "0",
                       "--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false",

@@ -25,13 +25,14 @@ STRATEGIES = {
     "ddp": ["--trainer.strategy", "ddp"],
     # No block_classes: pipeline.path fills in the family's blocks.
     "fsdp2": ["--trainer.strategy", '{"class_path": "lit_dist.strategies.fsdp.FSDP2Strategy"}'],
+    "zero2": ["--config", str(CONFIGS / "deepspeed_zero2.yaml")],
     "zero3": ["--config", str(CONFIGS / "deepspeed_zero3.yaml")],
 }
 KILL = ["--trainer.callbacks+=tests.helpers.recorder.KillRankAtStep", "--trainer.callbacks.step", str(STOP + 1)]
 ADAPTERS = {"lora": ["--model.adapter.kind", "lora", "--model.adapter.rank", "4"],
             "lokr": ["--model.adapter.kind", "lokr", "--model.adapter.rank", "4"]}
 CASES = [("sdxl", "ddp", None), ("sdxl", "fsdp2", "lora"), ("sdxl", "zero3", "lora"), ("flux", "ddp", "lokr"),
-         ("flux", "fsdp2", None), ("flux", "zero3", None)]
+         ("flux", "zero2", "lora"), ("flux", "fsdp2", None), ("flux", "zero3", None)]
 
 
 @pytest.fixture(scope="module")
