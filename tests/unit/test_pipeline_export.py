@@ -29,11 +29,9 @@ def _trained(folder) -> PipelineDenoiser:
     return net
 
 
-def _their_images(family: str, out, noise: torch.Tensor) -> torch.Tensor:
-    """(B, 3, H, W) in [0, 1]: the family's pipeline loaded from ``out``, encoding PROMPTS itself."""
-    from diffusers import DiffusionPipeline
-
-    pipeline = DiffusionPipeline.from_pretrained(out)
+def _their_images(family: str, pipeline, noise: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) in [0, 1]: the family's ``pipeline`` (DiffusionPipeline.from_pretrained of a folder), encoding
+    PROMPTS itself."""
     pipeline.set_progress_bar_config(disable=True)
     b, c, h, w = noise.shape
     call = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, "output_type": "pt",
@@ -65,19 +63,53 @@ def test_the_exported_folder_draws_what_lit_dist_draws_with_the_run_s_weights(fa
     base_weights = getattr(DiffusionPipeline.from_pretrained(base), net.folder.family.denoiser).state_dict()
     assert any(not torch.equal(base_weights[k], v) for k, v in net.model.state_dict().items())
 
-    encoder = PipelineTextEncoder(str(base), max_length=TOKENS).eval()
+    noise = initial_noise((4, 8, 8), 0, range(len(PROMPTS)))
+    ours = _our_images(net, base, noise)
+    theirs = _their_images(family, DiffusionPipeline.from_pretrained(out), noise)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs.float(), atol=1.5 / 255, rtol=0)
+    assert (ours[0] - ours[1]).abs().mean() > 1e-3, "two prompts, two images"
+
+
+def _our_images(net: PipelineDenoiser, folder, noise: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) in [0, 1]: lit-dist's sampler with ``net``, the prompts encoded and decoded by ``folder``'s own
+    text encoders and VAE, as a run's samples are."""
+    encoder = PipelineTextEncoder(str(folder), max_length=TOKENS).eval()
     with torch.no_grad():
         condition, empty = encoder(PROMPTS), encoder.empty_caption()
     objective = FlowMatching() if net.folder.family.flow else Diffusion()
     objective.bind("latent", "label")
-    noise = initial_noise((4, 8, 8), 0, range(len(PROMPTS)))
     latents = sample(net, objective, condition, noise, steps=STEPS, guidance=GUIDANCE, empty=empty)
     half = torch.full((1, 3, 1, 1), 127.5)
-    ours = decode(latents, VAEDecoder(pretrained=str(out), subfolder="vae").eval(), half, half).float() / 255
-    theirs = _their_images(family, out, noise)
-    assert ours.shape == theirs.shape
+    return decode(latents, VAEDecoder(pretrained=str(folder), subfolder="vae").eval(), half, half).float() / 255
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_an_exported_lora_draws_in_the_family_s_pipeline_what_lit_dist_draws_with_it(family, tmp_path):
+    """The base pipeline with the exported LoRA loaded by ``load_lora_weights`` draws, prompt for prompt, the
+    images lit-dist's sampler draws with the adapter on its denoiser."""
+    from diffusers import DiffusionPipeline
+
+    from lit_dist.model.adapter_export import write_adapter
+    from lit_dist.model.adapters import Adapter
+
+    base = save_pipeline(family, tmp_path / "base")
+    net = PipelineDenoiser(str(base)).eval()
+    adapter = Adapter(kind="lora", rank=4)
+    adapter.attach(net)
+    with torch.no_grad():  # a trained adapter: its factors away from their zero start
+        for i, p in enumerate(p for p in net.parameters() if p.requires_grad):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.3)
+    write_adapter(net.folder, net.model, adapter, {f"model.{k}": v for k, v in net.model.state_dict().items()},
+                  str(tmp_path / "lora"))
+    noise = initial_noise((4, 8, 8), 0, range(len(PROMPTS)))
+    ours = _our_images(net, base, noise)
+    pipeline = DiffusionPipeline.from_pretrained(base)
+    plain = _their_images(family, pipeline, noise)
+    pipeline.load_lora_weights(str(tmp_path / "lora"))
+    theirs = _their_images(family, pipeline, noise)
     torch.testing.assert_close(ours, theirs.float(), atol=1.5 / 255, rtol=0)
-    assert (ours[0] - ours[1]).abs().mean() > 1e-3, "two prompts, two images"
+    assert (plain - theirs).abs().max() > 4 / 255, "the adapter changed no image"
 
 
 def test_an_existing_output_or_a_network_of_another_pipeline_is_one_line(tmp_path):
