@@ -1,4 +1,4 @@
-"""``BucketDataModule``: aspect-ratio-bucketed images from a parquet table or a folder scan.
+"""``BucketDataModule``: aspect-ratio-bucketed images from a parquet table, a folder scan or a Hugging Face dataset.
 
 Example (YAML)::
 
@@ -11,6 +11,10 @@ Example (YAML)::
     data:
       scan_root: /datasets/photos              # no table: index the folder (headers only, cached)
       labels_from_folders: true
+
+    data:
+      hf_dataset: /datasets/pokemon            # a Hugging Face dataset's save_to_disk folder (indexed once)
+      caption_column: text
 
 Batches leave the loader workers as uint8 and are converted and normalised on
 the device (``on_after_batch_transfer``): four times less to copy, and the
@@ -60,6 +64,10 @@ class BucketDataModule(LightningDataModule):
         labels_from_folders: bool = False,
         index_cache: str | None = None,
         preserve_cache: bool = False,
+        hf_dataset: str | None = None,
+        image_column: str = "image",
+        caption_column: str | None = None,
+        label_column: str | None = None,
         num_workers: int = 2,
         worker_start: Start = "auto",
         seed: int = 0,
@@ -93,8 +101,12 @@ class BucketDataModule(LightningDataModule):
             extra_columns: Table columns passed through to batches; default: caption if present.
             strict: Fail on any bad row (bad path, size or duplicate) instead of skipping and reporting it.
             labels_from_folders: With scan_root: the first folder level of each image is its label.
-            index_cache: With scan_root: where the index is cached; default ~/.cache/lit-dist/index-<hash>.parquet.
+            index_cache: With scan_root or hf_dataset: where the index is kept; default ~/.cache/lit-dist/.
             preserve_cache: With scan_root: use the cached index as it is, without rescanning the folder.
+            hf_dataset: Instead of metadata: a Hugging Face dataset folder written by save_to_disk (local or URL).
+            image_column: With hf_dataset: the column of the images (datasets.Image or bytes).
+            caption_column: With hf_dataset: the column of the captions; default caption, text or prompt if present.
+            label_column: With hf_dataset: the column of the labels; default label if present.
             num_workers: Loader worker processes per device; 0 loads in the training process.
             worker_start: How loader workers start: auto is fork, or forkserver on Pythons whose fork can hang (docs/data.md).
             seed: Seed of the data order and random crops; the order depends only on (seed, epoch).
@@ -112,11 +124,13 @@ class BucketDataModule(LightningDataModule):
         super().__init__()
         problems = []
         if datasets:
-            if metadata is not None or scan_root is not None:
-                problems.append("data.datasets is set together with data.metadata or data.scan_root: use one form")
+            if metadata is not None or scan_root is not None or hf_dataset is not None:
+                problems.append("data.datasets is set together with data.metadata, data.scan_root or data.hf_dataset: "
+                                "use one form")
             sources = list(datasets)
         else:
-            sources = [DatasetSource(metadata, scan_root, root, 1.0, repeats, labels_from_folders, index_cache)]
+            sources = [DatasetSource(metadata, scan_root, root, 1.0, repeats, labels_from_folders, index_cache,
+                                     hf_dataset, image_column, caption_column, label_column)]
         for i, source in enumerate(sources):
             problems += source.problems(f"data.datasets[{i}]" if datasets else "data")
         if batch_size_per_device < 1:
@@ -199,11 +213,13 @@ class BucketDataModule(LightningDataModule):
             self.index_folders()
 
     def index_folders(self) -> None:
-        """Index every ``scan_root`` dataset into its cached table (headers of new or changed files only).
+        """Index every ``scan_root`` dataset into its cached table (headers of new or changed files only), and every
+        ``hf_dataset`` whose files changed since its index was made.
 
         A collective when a process group of several ranks exists (every rank must call it): the
         header reads are split among the ranks, rank 0 writes the table, every rank then reads it.
         """
+        from lit_dist.data import hf_dataset
         from lit_dist.data.discovery import load_or_scan
         from lit_dist.runtime.distributed import Comm
 
@@ -212,6 +228,9 @@ class BucketDataModule(LightningDataModule):
             if source.scan_root is not None:
                 load_or_scan(source.scan_root, source.table_path, self.storage_options, source.labels_from_folders,
                              self.preserve_cache, comm=comm)
+            elif source.hf_dataset is not None:
+                columns = hf_dataset.Columns(source.image_column, source.caption_column, source.label_column)
+                hf_dataset.load_or_index(source.hf_dataset, columns, source.table_path, self.storage_options, comm)
 
     def read(self, shared: bool = False) -> list:
         """Per dataset: its cleaned metadata (bad rows reported), each row's bucket and split (0/1/2).
@@ -228,8 +247,8 @@ class BucketDataModule(LightningDataModule):
 
         parts = []
         for source in self.sources:
-            # The cached index of a scan is on local or home storage, not behind storage_options.
-            options = self.storage_options if source.metadata is not None else None
+            # The index of a scan or a Hugging Face dataset is on local or home storage, not behind storage_options.
+            options = self.storage_options if not source.indexed else None
             meta = read_metadata(source.table_path, options, extra_columns=self.extra_columns, strict=self.strict,
                                  val_fraction=self.val_fraction, identity=self.cache is not None)
             if meta.bad.total:
@@ -309,6 +328,8 @@ class BucketDataModule(LightningDataModule):
             return f"{prefix}.root", ""
         if source.scan_root is not None:
             return f"{prefix}.scan_root", ""
+        if source.hf_dataset is not None:
+            return f"{prefix}.hf_dataset", ""
         return f"{prefix}.root", f" (unset: the folder of {prefix}.metadata)"
 
     def check_roots(self, parts: list) -> None:
@@ -319,6 +340,8 @@ class BucketDataModule(LightningDataModule):
 
         def check() -> None:
             for i, (source, (meta, _, _)) in enumerate(zip(self.sources, parts, strict=True)):
+                if source.hf_dataset is not None:  # its index was made from (or checked against) its files just now
+                    continue
                 field, how = self.root_field(i)
                 check_files_exist(source.image_root, meta.filenames, np.arange(len(meta)), field, self.storage_options,
                                   how)
@@ -358,6 +381,7 @@ class BucketDataModule(LightningDataModule):
             load_images=load_images,
             fill=fill,
             sizes=sizes,
+            members=meta.members,
         )
 
     # -- cache ------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         load_images: bool = True,
         fill=None,
         sizes: np.ndarray | None = None,
+        members: np.ndarray | None = None,
     ):
         self.url = root
         self.storage_options = storage_options or {}
@@ -82,6 +83,10 @@ class BucketImageDataset(torch.utils.data.Dataset):
         self.load_images = load_images  # False when only encoder outputs are cached: no image is opened
         self.fill = fill  # data.cache.mode ondemand: a FillKeys, which says what missing entries are written as
         self.sizes = sizes  # (N, 2) int32 original (width, height) by table position: batches get time_ids
+        # (N, 2) int64 (offset, length) by table position: each image is a byte range of the file its name's part
+        # before "#" names (a Hugging Face dataset's Arrow file), not a file of its own.
+        self.members = members
+        self._ranges = None  # reading.members.Members, made on the first read in each process
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
         self._logged: set[int] = set()  # bad samples already reported by this process
         # Made in the training process (loader workers get a copy): which rank's log line it is.
@@ -104,7 +109,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         return self._fs
 
     def __getstate__(self) -> dict:
-        state = {**self.__dict__, "_fs": None, "_fs_pid": None}
+        state = {**self.__dict__, "_fs": None, "_fs_pid": None, "_ranges": None}
         if len(self.positions) < len(self.filenames):
             # Pickled for a spawned loader worker (forked ones share the parent's columns): send
             # this split's rows only, not the whole table.
@@ -112,6 +117,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
             take = pa.array(self.positions)
             state.update(filenames=self.filenames.take(take), extra={k: v.take(take) for k, v in self.extra.items()},
+                         members=None if self.members is None else self.members[self.positions],
                          labels=None if self.labels is None else self.labels[self.positions],
                          cache={k: v.take(self.positions) for k, v in self.cache.items()},
                          fill=None if self.fill is None else self.fill.take(self.positions),
@@ -236,10 +242,11 @@ class BucketImageDataset(torch.utils.data.Dataset):
         This is what a pixel cache stores: the crop is left to load time, so it varies as it does without one.
         """
         path = self._path(index)
+        read = self._read_bytes if self.members is None else self._member_reader(index)
         try:  # the bytes first: an error of the storage is told apart from bytes that do not decode
             with reading(path):  # a hang dump names the file
                 # An outage is waited out (the same file read once the store answers), never a bad image.
-                data = outage.call(lambda: self._read_bytes(path), path, self.outage_deadline_s, self._who)
+                data = outage.call(lambda: read(path), path, self.outage_deadline_s, self._who)
         except MISSING as exc:
             raise BadImage(f"missing ({reason(exc)})") from exc
         except PermissionError as exc:
@@ -249,6 +256,17 @@ class BucketImageDataset(torch.utils.data.Dataset):
     def _read_bytes(self, path: str) -> bytes:
         with self._open_fs().open(path, "rb") as f:
             return f.read()
+
+    def _member_reader(self, index: int):
+        """Reads sample ``index``'s byte range of its file (the name before "#" in ``path``)."""
+        from lit_dist.ckpt.files import is_local
+        from lit_dist.reading.members import Members
+
+        fs = self._open_fs()
+        if self._ranges is None or self._ranges.fs is not fs:
+            self._ranges = Members(fs, is_local(fs))
+        offset, length = (int(v) for v in self.members[int(self.positions[index])])
+        return lambda path: self._ranges.read(path.rsplit("#", 1)[0], offset, length)
 
     def _offsets(self, covering_width: int, covering_height: int, width: int, height: int, epoch: int,
                  index: int) -> tuple[int, int]:

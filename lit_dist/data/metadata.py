@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("filename", "width", "height")
 IDENTITY_COLUMNS = ("bytes", "mtime", "etag")  # optional: which version of each file (scans write bytes and mtime)
+MEMBER_COLUMNS = ("offset", "length")  # optional, together: each image is this byte range of the file its name's
+# part before "#" names (the index of a Hugging Face dataset writes them)
 SPLITS = ("train", "val", "test")
 _GLOB_CHARS = set("*?[")
 _UNSAFE_REASONS = {
@@ -76,6 +78,7 @@ class Metadata:
     splits: np.ndarray | None = None  # int8 index into SPLITS, one per row
     extra: dict = field(default_factory=dict)  # name -> pyarrow array, passed through to batches
     identity: np.ndarray | None = None  # uint64 per row from the bytes and mtime (or etag) columns, for caches
+    members: np.ndarray | None = None  # (N, 2) int64 offset and length per row: images that are byte ranges of a file
     bad: BadRows = field(default_factory=BadRows)
     source: str = ""
 
@@ -156,7 +159,7 @@ def read_metadata(
     absent = [c for c in extra_columns if c not in schema.names]
     if absent:
         raise DataError(f"data.extra_columns names {absent}, which {path!r} lacks (it has: {', '.join(schema.names)})")
-    optional = ("label", "split", *(IDENTITY_COLUMNS if identity else ()))
+    optional = ("label", "split", *MEMBER_COLUMNS, *(IDENTITY_COLUMNS if identity else ()))
     wanted = [*REQUIRED_COLUMNS, *(c for c in optional if c in schema.names), *extra_columns]
     try:
         table = outage.call(lambda: pq.read_table(files if len(files) > 1 else files[0],
@@ -225,6 +228,8 @@ def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: 
         meta.splits = np.zeros(len(meta), dtype=np.int8)
     meta.extra = {name: kept.column(name).combine_chunks() for name in extra_columns}
     meta.identity = _identity(kept) if identity else None
+    if set(MEMBER_COLUMNS) <= set(kept.column_names):
+        meta.members = np.stack([kept.column(name).to_numpy().astype(np.int64) for name in MEMBER_COLUMNS], 1)
     return meta
 
 

@@ -32,7 +32,7 @@ from lit_dist.runtime.processes import alive
 PREFIX = "lit-dist-index-"
 _OWNER = "owner.json"
 _INFO = "index.json"  # written last: a folder without it is incomplete
-_ARRAYS = ("rows", "labels", "splits", "identity")
+_ARRAYS = ("rows", "labels", "splits", "identity", "members")
 
 
 def shared_index(read: Callable[[], tuple[list, list | None]], folder_root: str | None, comm: Comm
@@ -138,7 +138,7 @@ def load(folder: str) -> tuple[list, list | None]:
                         sizes=_read_arrow(os.path.join(folder, f"{i}-sizes.arrow")),
                         rows=arrays.get("rows"), labels=arrays.get("labels"), classes=part["classes"],
                         splits=arrays.get("splits"), extra=extra, identity=arrays.get("identity"),
-                        bad=BadRows(*part["bad"]), source=part["source"])
+                        members=arrays.get("members"), bad=BadRows(*part["bad"]), source=part["source"])
         parts.append((meta, arrays["buckets"], meta.splits))
     return parts, info["classes"]
 

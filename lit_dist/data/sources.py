@@ -1,4 +1,5 @@
-"""Where the images of a run come from: one or several datasets, each a table or a scanned folder.
+"""Where the images of a run come from: one or several datasets, each a table, a scanned folder or a Hugging Face
+dataset folder.
 
 Several datasets are mixed by weight (``data.datasets``); the single-dataset fields of
 ``BucketDataModule`` (``metadata``, ``scan_root``, ...) are shorthand for a list of one.
@@ -25,7 +26,11 @@ class DatasetSource:
         weight: Share of each epoch's training batches, relative to the other datasets' weights.
         repeats: Times each of its training samples is seen per epoch (before weighting).
         labels_from_folders: With scan_root: the first folder level of each image is its label.
-        index_cache: With scan_root: where the index is cached; default ~/.cache/lit-dist/index-<hash>.parquet.
+        index_cache: With scan_root or hf_dataset: where the index is kept; default ~/.cache/lit-dist/.
+        hf_dataset: Instead of metadata: a Hugging Face dataset folder written by save_to_disk (local or URL).
+        image_column: With hf_dataset: the column of the images (datasets.Image or bytes).
+        caption_column: With hf_dataset: the column of the captions; default caption, text or prompt if present.
+        label_column: With hf_dataset: the column of the labels; default label if present.
     """
 
     metadata: str | None = None
@@ -35,11 +40,20 @@ class DatasetSource:
     repeats: int = 1
     labels_from_folders: bool = False
     index_cache: str | None = None
+    hf_dataset: str | None = None
+    image_column: str = "image"
+    caption_column: str | None = None
+    label_column: str | None = None
 
     def problems(self, where: str) -> list[str]:
         out = []
-        if (self.metadata is None) == (self.scan_root is None):
-            out.append(f"{where}: metadata = {self.metadata!r}, scan_root = {self.scan_root!r}: set exactly one of them")
+        given = {name: value for name, value in (("metadata", self.metadata), ("scan_root", self.scan_root),
+                                                 ("hf_dataset", self.hf_dataset)) if value is not None}
+        if len(given) != 1:
+            shown = ", ".join(f"{name} = {value!r}" for name, value in given.items()) or "none is set"
+            out.append(f"{where}: {shown}: set exactly one of metadata, scan_root and hf_dataset")
+        if self.hf_dataset is not None and self.root is not None:
+            out.append(f"{where}.root = {self.root!r}: a Hugging Face dataset holds its images; remove root")
         if self.weight <= 0:
             out.append(f"{where}.weight = {self.weight}: must be > 0")
         if self.repeats < 1:
@@ -51,6 +65,10 @@ class DatasetSource:
         """The parquet table read: ``metadata``, or the cached index of ``scan_root``."""
         if self.metadata is not None:
             return self.metadata
+        if self.hf_dataset is not None:
+            from lit_dist.data.hf_dataset import default_index_path
+
+            return self.index_cache or default_index_path(self.hf_dataset)
         from lit_dist.data.discovery import default_cache_path
 
         return self.index_cache or default_cache_path(self.scan_root)
@@ -59,7 +77,14 @@ class DatasetSource:
     def image_root(self) -> str:
         if self.root is not None:
             return self.root
+        if self.hf_dataset is not None:
+            return self.hf_dataset
         return self.scan_root if self.scan_root is not None else table_folder(self.metadata)
+
+    @property
+    def indexed(self) -> bool:
+        """Whether lit-dist makes this dataset's table (a scan, a Hugging Face dataset), rather than reading one."""
+        return self.metadata is None
 
 
 def table_folder(metadata: str) -> str:

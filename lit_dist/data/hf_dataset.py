@@ -1,0 +1,318 @@
+"""A Hugging Face dataset as a source (``data.hf_dataset``): a folder written by ``save_to_disk``, local or on an
+object store, indexed once into a table as a scanned folder is, then read as any table is.
+
+The folder is a ``Dataset`` (``state.json`` naming its Arrow files) or a ``DatasetDict`` (``dataset_dict.json``
+and a folder per split). Its Arrow files are IPC streams, the image column a struct of ``bytes`` and ``path``
+(``datasets.Image``) or plain binary. The index has a row per example:
+
+- ``filename``: ``<Arrow file, relative to the folder>#<row>``, the sample's name for caches and messages;
+- ``width``, ``height``: from the image's header, parsed from its bytes (never a full decode);
+- ``offset``, ``length``: where the image's bytes lie in the Arrow file, so that reading a sample is one ranged
+  read (``lit_dist.reading.members``), no Arrow reader opened in a loader worker;
+- ``bytes``, ``mtime``: the image's length and its file's modification time, the caches' identity;
+- ``caption``, ``label``, ``split``: from the dataset's columns (``caption_column``, ``label_column``; the split
+  folders train, validation and test).
+
+The index is kept beside lit-dist's other indexes and used again while the folder's files (names, sizes, times)
+and the chosen columns are the same. Several ranks index a file each in turn; rank 0 writes the table.
+"""
+
+import hashlib
+import io
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lit_dist.errors import ConfigError, DataError
+from lit_dist.reading.presence import mtime
+from lit_dist.reading.unreadable import BadImage
+from lit_dist.runtime import outage
+
+if TYPE_CHECKING:
+    from lit_dist.runtime.distributed import Comm
+
+log = logging.getLogger(__name__)
+
+# The split folders of a DatasetDict that a run uses, and the split each is.
+SPLITS = {"train": "train", "validation": "val", "valid": "val", "val": "val", "dev": "val", "test": "test"}
+CAPTION_COLUMNS = ("caption", "text", "prompt")  # tried in this order when caption_column is unset
+_SIGNATURE = b"lit_dist.hf_source"
+_HEADER = 65536  # bytes of an image parsed for its size: as a folder scan reads
+
+
+@dataclass(frozen=True)
+class ArrowFile:
+    """One Arrow file of the folder: its path relative to the folder, its split, its size and time."""
+
+    name: str
+    split: str | None
+    size: int
+    mtime: float
+
+
+def default_index_path(folder: str) -> str:
+    """Where the index of ``folder`` is kept: ~/.cache/lit-dist/hf-<hash of folder>.parquet."""
+    digest = hashlib.sha1(folder.rstrip("/").encode()).hexdigest()[:16]
+    return os.path.join(os.path.expanduser("~"), ".cache", "lit-dist", f"hf-{digest}.parquet")
+
+
+def list_files(folder: str, storage_options: dict | None = None) -> list[ArrowFile]:
+    """The Arrow files of a ``save_to_disk`` folder, in the dataset's order; a DataError naming the folder when it
+    is none."""
+    fs, base = outage.url_to_fs(folder, **(storage_options or {}))
+    base = base.rstrip("/")
+
+    def read_json(path: str) -> dict | None:
+        try:
+            with fs.open(path, "r") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise DataError(f"data.hf_dataset = {folder!r}: {path} is not JSON ({exc}); write the folder again with "
+                            "save_to_disk") from exc
+
+    def listed() -> list[tuple[str, str | None]]:
+        splits = read_json(f"{base}/dataset_dict.json")
+        if splits is not None:
+            out = []
+            for name in splits.get("splits", []):
+                if name not in SPLITS:
+                    log.info("lit-dist: data.hf_dataset: the split %r of %s is not used (train, validation and test "
+                             "are)", name, folder)
+                    continue
+                out += [(f"{name}/{file}", SPLITS[name]) for file in _state_files(read_json, f"{base}/{name}", folder)]
+            return out
+        return [(file, None) for file in _state_files(read_json, base, folder)]
+
+    names = outage.call(listed, folder, outage.DEADLINE_S)
+    if not names:
+        raise DataError(f"data.hf_dataset = {folder!r}: the folder holds no split train, validation or test")
+    infos = outage.call(lambda: [fs.info(f"{base}/{name}") for name, _ in names], folder, outage.DEADLINE_S)
+    return [ArrowFile(name, split, int(info.get("size") or 0), mtime(info))
+            for (name, split), info in zip(names, infos, strict=True)]
+
+
+def _state_files(read_json, folder_path: str, folder: str) -> list[str]:
+    state = read_json(f"{folder_path}/state.json")
+    if state is None:
+        raise DataError(f"data.hf_dataset = {folder!r}: no state.json or dataset_dict.json in {folder_path}: not a "
+                        "folder written by save_to_disk (Dataset.save_to_disk or DatasetDict.save_to_disk)")
+    return [entry["filename"] for entry in state.get("_data_files", [])]
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The dataset's columns a run reads."""
+
+    image: str = "image"
+    caption: str | None = None
+    label: str | None = None
+
+    def resolved(self, names: list[str], folder: str) -> "Columns":
+        """These columns checked against the dataset's ``names``; an unset caption or label taken from the usual
+        names when the dataset has one. One ConfigError naming every wrong field."""
+        problems = []
+        for field, value in (("image_column", self.image), ("caption_column", self.caption),
+                             ("label_column", self.label)):
+            if value is not None and value not in names:
+                problems.append(f"data.{field} = {value!r}: {folder} has no such column (it has: {', '.join(names)})")
+        ConfigError.collect(problems)
+        caption = self.caption or next((c for c in CAPTION_COLUMNS if c in names), None)
+        label = self.label or ("label" if "label" in names else None)
+        return Columns(self.image, caption, label)
+
+
+def index(folder: str, columns: Columns, storage_options: dict | None = None, files: list[ArrowFile] | None = None,
+          comm: "Comm | None" = None):
+    """The index table of ``folder`` (None on ranks other than 0 of ``comm``). A collective with a ``comm`` of
+    several ranks: each indexes every world-th file."""
+    import pyarrow as pa
+
+    from lit_dist.runtime.distributed import Comm
+
+    comm = comm or Comm()
+    files = files if files is not None else list_files(folder, storage_options)
+    mine = files[comm.rank :: comm.world]
+
+    def read_mine() -> list:
+        return [_index_file(folder, file, columns, storage_options) for file in mine]
+
+    shares = comm.on_every_rank(read_mine, f"indexing the Hugging Face dataset {folder}")
+    if comm.rank != 0:
+        return None
+    tables = [None] * len(files)
+    for rank, share in enumerate(shares):
+        for i, table in zip(range(rank, len(files), comm.world), share, strict=True):
+            tables[i] = table
+    table = pa.concat_tables(tables)
+    return table.replace_schema_metadata({_SIGNATURE: signature(files, columns)})
+
+
+def signature(files: list[ArrowFile], columns: Columns) -> str:
+    """What an index was made from: every file's name, size and time, and the columns chosen."""
+    return json.dumps({"files": [[f.name, f.size, f.mtime] for f in files],
+                       "columns": [columns.image, columns.caption, columns.label]})
+
+
+def _index_file(folder: str, file: ArrowFile, columns: Columns, storage_options: dict | None):
+    """The index rows of one Arrow file: each message of the stream read in turn, where each image's bytes lie in
+    the file told from the message body's position and the buffer's place in it."""
+    import pyarrow as pa
+
+    fs, base = outage.url_to_fs(folder, **(storage_options or {}))
+    path = f"{base.rstrip('/')}/{file.name}"
+    local = _is_local(fs)
+    source = pa.memory_map(path) if local else pa.PythonFile(fs.open(path, "rb"), mode="r")
+    parts = []
+    with source:
+        reader = pa.ipc.MessageReader.open_stream(source)
+        schema = None
+        row = 0
+        while True:
+            try:
+                message = reader.read_next_message()
+            except StopIteration:
+                break
+            except (pa.ArrowInvalid, OSError) as exc:  # a truncated or damaged file: what came before it is kept
+                log.warning("lit-dist: %s is damaged after its first %d rows (%s); its other rows are left out",
+                            path, row, exc)
+                break
+            if message.type == "schema":
+                schema = pa.ipc.read_schema(message)
+                continue
+            if message.type != "record batch":
+                continue
+            body_start = source.tell() - message.body.size
+            batch = pa.ipc.read_record_batch(message, schema)
+            parts.append(_batch_rows(batch, body_start, message.body, file, row, columns, folder))
+            row += batch.num_rows
+    if not parts:
+        return _empty_index(columns)
+    return pa.concat_tables(parts)
+
+
+def _batch_rows(batch, body_start: int, body, file: ArrowFile, first_row: int, columns: Columns, folder: str):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    names = batch.schema.names
+    image = batch.column(columns.image)
+    if pa.types.is_struct(image.type):
+        if "bytes" not in [image.type.field(i).name for i in range(image.type.num_fields)]:
+            raise ConfigError(f"data.image_column = {columns.image!r}: in {folder} it is a struct without bytes "
+                              f"({image.type}); name the column that holds the images (datasets.Image or bytes)")
+        values = image.field("bytes")
+        valid = np.asarray(image.is_valid()) & np.asarray(values.is_valid())
+    elif pa.types.is_binary(image.type) or pa.types.is_large_binary(image.type):
+        values, valid = image, np.asarray(image.is_valid())
+    else:
+        raise ConfigError(f"data.image_column = {columns.image!r}: in {folder} it holds {image.type}, not images; "
+                          f"name the column that holds them (datasets.Image or bytes; columns: {', '.join(names)})")
+    _, offsets_buf, data_buf = values.buffers()
+    kind = np.int64 if pa.types.is_large_binary(values.type) else np.int32
+    offsets = np.frombuffer(offsets_buf, dtype=kind)[values.offset : values.offset + len(values) + 1].astype(np.int64)
+    within = data_buf.address - body.address if data_buf is not None else 0
+    if data_buf is not None and not 0 <= within <= body.size:  # decompressed elsewhere: no place in the file
+        raise DataError(f"data.hf_dataset = {folder!r}: {file.name} is a compressed Arrow file; write the dataset "
+                        "again with save_to_disk (it does not compress)")
+    lengths = np.diff(offsets)
+    widths = np.zeros(len(values), dtype=np.int32)
+    heights = np.zeros(len(values), dtype=np.int32)
+    memory = memoryview(data_buf) if data_buf is not None else memoryview(b"")
+    for i in np.flatnonzero(valid & (lengths > 0)):
+        start = int(offsets[i])
+        widths[i], heights[i] = _size(memory[start : start + min(int(lengths[i]), _HEADER)])
+    rows = np.arange(first_row, first_row + len(values))
+    out = {
+        "filename": pa.array([f"{file.name}#{r}" for r in rows], pa.string()),
+        "width": widths, "height": heights,
+        "offset": body_start + within + offsets[:-1], "length": lengths,
+        "bytes": lengths, "mtime": np.full(len(values), file.mtime),
+    }
+    if columns.caption is not None:
+        out["caption"] = pc.cast(batch.column(columns.caption), pa.string())
+    if columns.label is not None:
+        out["label"] = batch.column(columns.label)
+    if file.split is not None:
+        out["split"] = pa.array([file.split] * len(values), pa.string())
+    return pa.table(out)
+
+
+def _size(head: memoryview) -> tuple[int, int]:
+    """(width, height) of an image from its first bytes; (0, 0) when they are not an image (a bad row)."""
+    from lit_dist.data.discovery import header_size
+
+    try:
+        return header_size(io.BytesIO(bytes(head)))
+    except BadImage:
+        return 0, 0
+
+
+def _empty_index(columns: Columns):
+    import pyarrow as pa
+
+    fields = [("filename", pa.string()), ("width", pa.int32()), ("height", pa.int32()), ("offset", pa.int64()),
+              ("length", pa.int64()), ("bytes", pa.int64()), ("mtime", pa.float64())]
+    return pa.table({name: pa.array([], kind) for name, kind in fields})
+
+
+def _is_local(fs) -> bool:
+    from lit_dist.ckpt.files import is_local
+
+    return is_local(fs)
+
+
+def load_or_index(folder: str, columns: Columns, index_path: str, storage_options: dict | None = None,
+                  comm: "Comm | None" = None) -> str:
+    """Make sure ``index_path`` holds the index of ``folder`` for ``columns``; returns ``index_path``. A collective
+    with a ``comm`` of several ranks (every rank calls it)."""
+    from lit_dist.data.discovery import publish_table
+    from lit_dist.runtime.distributed import Comm
+
+    comm = comm or Comm()
+    files = list_files(folder, storage_options)
+    columns = columns.resolved(_column_names(folder, files[0], storage_options), folder)
+    wanted = signature(files, columns)
+    current = comm.broadcast(_indexed_from(index_path) == wanted if comm.rank == 0 else None)
+    if current:
+        return index_path
+    if comm.rank == 0:
+        log.info("lit-dist: indexing the Hugging Face dataset %s (%d Arrow files) into %s", folder, len(files),
+                 index_path)
+    table = index(folder, columns, storage_options, files, comm)
+    publish_table(table, index_path, comm)
+    return index_path
+
+
+def _column_names(folder: str, file: ArrowFile, storage_options: dict | None) -> list[str]:
+    import pyarrow as pa
+
+    fs, base = outage.url_to_fs(folder, **(storage_options or {}))
+
+    def names() -> list[str]:
+        with fs.open(f"{base.rstrip('/')}/{file.name}", "rb") as f:
+            return pa.ipc.open_stream(f).schema.names
+
+    return outage.call(names, folder, outage.DEADLINE_S)
+
+
+def _indexed_from(index_path: str) -> str | None:
+    """The signature an existing index was made from; None when there is none (or it is unreadable)."""
+    import pyarrow.parquet as pq
+
+    try:
+        fs, path = outage.url_to_fs(index_path)
+        if not fs.exists(path):
+            return None
+        with fs.open(path, "rb") as f:
+            metadata = pq.read_schema(f).metadata or {}
+    except (OSError, ValueError) as exc:
+        log.warning("lit-dist: the index %s is unreadable (%s); indexing again", index_path, exc)
+        return None
+    value = metadata.get(_SIGNATURE)
+    return value.decode() if value is not None else None
