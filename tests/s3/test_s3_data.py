@@ -57,3 +57,28 @@ def test_fit_reads_its_data_from_s3(remote_demo, tmp_path):
                    env={"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "val/acc" in out.stdout
+
+
+def test_a_hugging_face_dataset_on_s3_gives_the_local_index_and_batches(s3, demo_data, tmp_path):
+    """A save_to_disk folder on the store: indexed from it (the same table as the local folder's but for the
+    files' times) and each image read as one ranged GET of its Arrow file."""
+    import pyarrow.parquet as pq
+
+    pytest.importorskip("datasets")
+    from tests.helpers.hf_datasets import save_shapes
+
+    folder = save_shapes(str(demo_data), tmp_path / "hf", rows_per_file=150)
+    s3.put(str(folder), f"{s3.bucket}/hf", recursive=True)
+    options = {"client_kwargs": {"endpoint_url": s3.endpoint}}
+    batches, indexes = [], []
+    for i, (path, opts) in enumerate(((str(folder), None), (f"s3://{s3.bucket}/hf", options))):
+        index = str(tmp_path / f"index-{i}.parquet")
+        dm = BucketDataModule(hf_dataset=path, index_cache=index, resolution=32, batch_size_per_device=4,
+                              num_workers=0, storage_options=opts, node_index_dir=None)
+        dm.prepare_data()
+        dm.setup("fit")
+        batches.append(list(dm.train_dataloader())[:5])
+        indexes.append(pq.read_table(index).drop_columns(["mtime"]))
+    assert indexes[0].equals(indexes[1]) and indexes[0].num_rows == 400
+    for local, remote in zip(*batches, strict=True):
+        assert torch.equal(local["image"], remote["image"]) and local["caption"] == remote["caption"]
