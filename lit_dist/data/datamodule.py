@@ -68,6 +68,7 @@ class BucketDataModule(LightningDataModule):
         image_column: str = "image",
         caption_column: str | None = None,
         label_column: str | None = None,
+        webdataset: str | list[str] | None = None,
         num_workers: int = 2,
         worker_start: Start = "auto",
         seed: int = 0,
@@ -107,6 +108,7 @@ class BucketDataModule(LightningDataModule):
             image_column: With hf_dataset: the column of the images (datasets.Image or bytes).
             caption_column: With hf_dataset: the column of the captions; default caption, text or prompt if present.
             label_column: With hf_dataset: the column of the labels; default label if present.
+            webdataset: Instead of metadata: WebDataset tar shards, a brace pattern or a list (local or URLs).
             num_workers: Loader worker processes per device; 0 loads in the training process.
             worker_start: How loader workers start: auto is fork, or forkserver on Pythons whose fork can hang (docs/data.md).
             seed: Seed of the data order and random crops; the order depends only on (seed, epoch).
@@ -124,13 +126,13 @@ class BucketDataModule(LightningDataModule):
         super().__init__()
         problems = []
         if datasets:
-            if metadata is not None or scan_root is not None or hf_dataset is not None:
-                problems.append("data.datasets is set together with data.metadata, data.scan_root or data.hf_dataset: "
-                                "use one form")
+            if any(v is not None for v in (metadata, scan_root, hf_dataset, webdataset)):
+                problems.append("data.datasets is set together with data.metadata, data.scan_root, data.hf_dataset "
+                                "or data.webdataset: use one form")
             sources = list(datasets)
         else:
             sources = [DatasetSource(metadata, scan_root, root, 1.0, repeats, labels_from_folders, index_cache,
-                                     hf_dataset, image_column, caption_column, label_column)]
+                                     hf_dataset, image_column, caption_column, label_column, webdataset)]
         for i, source in enumerate(sources):
             problems += source.problems(f"data.datasets[{i}]" if datasets else "data")
         if batch_size_per_device < 1:
@@ -214,12 +216,12 @@ class BucketDataModule(LightningDataModule):
 
     def index_folders(self) -> None:
         """Index every ``scan_root`` dataset into its cached table (headers of new or changed files only), and every
-        ``hf_dataset`` whose files changed since its index was made.
+        ``hf_dataset`` and ``webdataset`` whose files changed since its index was made.
 
         A collective when a process group of several ranks exists (every rank must call it): the
         header reads are split among the ranks, rank 0 writes the table, every rank then reads it.
         """
-        from lit_dist.data import hf_dataset
+        from lit_dist.data import hf_dataset, webdataset
         from lit_dist.data.discovery import load_or_scan
         from lit_dist.runtime.distributed import Comm
 
@@ -231,6 +233,8 @@ class BucketDataModule(LightningDataModule):
             elif source.hf_dataset is not None:
                 columns = hf_dataset.Columns(source.image_column, source.caption_column, source.label_column)
                 hf_dataset.load_or_index(source.hf_dataset, columns, source.table_path, self.storage_options, comm)
+            elif source.webdataset is not None:
+                webdataset.load_or_index(source.webdataset, source.table_path, self.storage_options, comm)
 
     def read(self, shared: bool = False) -> list:
         """Per dataset: its cleaned metadata (bad rows reported), each row's bucket and split (0/1/2).
@@ -330,6 +334,8 @@ class BucketDataModule(LightningDataModule):
             return f"{prefix}.scan_root", ""
         if source.hf_dataset is not None:
             return f"{prefix}.hf_dataset", ""
+        if source.webdataset is not None:
+            return f"{prefix}.webdataset", ""
         return f"{prefix}.root", f" (unset: the folder of {prefix}.metadata)"
 
     def check_roots(self, parts: list) -> None:
@@ -340,7 +346,7 @@ class BucketDataModule(LightningDataModule):
 
         def check() -> None:
             for i, (source, (meta, _, _)) in enumerate(zip(self.sources, parts, strict=True)):
-                if source.hf_dataset is not None:  # its index was made from (or checked against) its files just now
+                if source.containers:  # its index was made from (or checked against) its files just now
                     continue
                 field, how = self.root_field(i)
                 check_files_exist(source.image_root, meta.filenames, np.arange(len(meta)), field, self.storage_options,

@@ -17,19 +17,16 @@ The index is kept beside lit-dist's other indexes and used again while the folde
 and the chosen columns are the same. Several ranks index a file each in turn; rank 0 writes the table.
 """
 
-import hashlib
-import io
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lit_dist.data.indexes import HEADER_BYTES, Container, default_path, image_size, load_or_build
 from lit_dist.errors import ConfigError, DataError
 from lit_dist.reading.presence import mtime
-from lit_dist.reading.unreadable import BadImage
 from lit_dist.runtime import outage
 
 if TYPE_CHECKING:
@@ -40,27 +37,14 @@ log = logging.getLogger(__name__)
 # The split folders of a DatasetDict that a run uses, and the split each is.
 SPLITS = {"train": "train", "validation": "val", "valid": "val", "val": "val", "dev": "val", "test": "test"}
 CAPTION_COLUMNS = ("caption", "text", "prompt")  # tried in this order when caption_column is unset
-_SIGNATURE = b"lit_dist.hf_source"
-_HEADER = 65536  # bytes of an image parsed for its size: as a folder scan reads
-
-
-@dataclass(frozen=True)
-class ArrowFile:
-    """One Arrow file of the folder: its path relative to the folder, its split, its size and time."""
-
-    name: str
-    split: str | None
-    size: int
-    mtime: float
 
 
 def default_index_path(folder: str) -> str:
     """Where the index of ``folder`` is kept: ~/.cache/lit-dist/hf-<hash of folder>.parquet."""
-    digest = hashlib.sha1(folder.rstrip("/").encode()).hexdigest()[:16]
-    return os.path.join(os.path.expanduser("~"), ".cache", "lit-dist", f"hf-{digest}.parquet")
+    return default_path("hf", folder)
 
 
-def list_files(folder: str, storage_options: dict | None = None) -> list[ArrowFile]:
+def list_files(folder: str, storage_options: dict | None = None) -> list[Container]:
     """The Arrow files of a ``save_to_disk`` folder, in the dataset's order; a DataError naming the folder when it
     is none."""
     fs, base = outage.url_to_fs(folder, **(storage_options or {}))
@@ -93,7 +77,7 @@ def list_files(folder: str, storage_options: dict | None = None) -> list[ArrowFi
     if not names:
         raise DataError(f"data.hf_dataset = {folder!r}: the folder holds no split train, validation or test")
     infos = outage.call(lambda: [fs.info(f"{base}/{name}") for name, _ in names], folder, outage.DEADLINE_S)
-    return [ArrowFile(name, split, int(info.get("size") or 0), mtime(info))
+    return [Container(name, split, int(info.get("size") or 0), mtime(info))
             for (name, split), info in zip(names, infos, strict=True)]
 
 
@@ -127,39 +111,7 @@ class Columns:
         return Columns(self.image, caption, label)
 
 
-def index(folder: str, columns: Columns, storage_options: dict | None = None, files: list[ArrowFile] | None = None,
-          comm: "Comm | None" = None):
-    """The index table of ``folder`` (None on ranks other than 0 of ``comm``). A collective with a ``comm`` of
-    several ranks: each indexes every world-th file."""
-    import pyarrow as pa
-
-    from lit_dist.runtime.distributed import Comm
-
-    comm = comm or Comm()
-    files = files if files is not None else list_files(folder, storage_options)
-    mine = files[comm.rank :: comm.world]
-
-    def read_mine() -> list:
-        return [_index_file(folder, file, columns, storage_options) for file in mine]
-
-    shares = comm.on_every_rank(read_mine, f"indexing the Hugging Face dataset {folder}")
-    if comm.rank != 0:
-        return None
-    tables = [None] * len(files)
-    for rank, share in enumerate(shares):
-        for i, table in zip(range(rank, len(files), comm.world), share, strict=True):
-            tables[i] = table
-    table = pa.concat_tables(tables)
-    return table.replace_schema_metadata({_SIGNATURE: signature(files, columns)})
-
-
-def signature(files: list[ArrowFile], columns: Columns) -> str:
-    """What an index was made from: every file's name, size and time, and the columns chosen."""
-    return json.dumps({"files": [[f.name, f.size, f.mtime] for f in files],
-                       "columns": [columns.image, columns.caption, columns.label]})
-
-
-def _index_file(folder: str, file: ArrowFile, columns: Columns, storage_options: dict | None):
+def _index_file(folder: str, file: Container, columns: Columns, storage_options: dict | None):
     """The index rows of one Arrow file: each message of the stream read in turn, where each image's bytes lie in
     the file told from the message body's position and the buffer's place in it."""
     import pyarrow as pa
@@ -196,7 +148,7 @@ def _index_file(folder: str, file: ArrowFile, columns: Columns, storage_options:
     return pa.concat_tables(parts)
 
 
-def _batch_rows(batch, body_start: int, body, file: ArrowFile, first_row: int, columns: Columns, folder: str):
+def _batch_rows(batch, body_start: int, body, file: Container, first_row: int, columns: Columns, folder: str):
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -226,7 +178,7 @@ def _batch_rows(batch, body_start: int, body, file: ArrowFile, first_row: int, c
     memory = memoryview(data_buf) if data_buf is not None else memoryview(b"")
     for i in np.flatnonzero(valid & (lengths > 0)):
         start = int(offsets[i])
-        widths[i], heights[i] = _size(memory[start : start + min(int(lengths[i]), _HEADER)])
+        widths[i], heights[i] = image_size(bytes(memory[start : start + min(int(lengths[i]), HEADER_BYTES)]))
     rows = np.arange(first_row, first_row + len(values))
     out = {
         "filename": pa.array([f"{file.name}#{r}" for r in rows], pa.string()),
@@ -241,16 +193,6 @@ def _batch_rows(batch, body_start: int, body, file: ArrowFile, first_row: int, c
     if file.split is not None:
         out["split"] = pa.array([file.split] * len(values), pa.string())
     return pa.table(out)
-
-
-def _size(head: memoryview) -> tuple[int, int]:
-    """(width, height) of an image from its first bytes; (0, 0) when they are not an image (a bad row)."""
-    from lit_dist.data.discovery import header_size
-
-    try:
-        return header_size(io.BytesIO(bytes(head)))
-    except BadImage:
-        return 0, 0
 
 
 def _empty_index(columns: Columns):
@@ -270,26 +212,15 @@ def _is_local(fs) -> bool:
 def load_or_index(folder: str, columns: Columns, index_path: str, storage_options: dict | None = None,
                   comm: "Comm | None" = None) -> str:
     """Make sure ``index_path`` holds the index of ``folder`` for ``columns``; returns ``index_path``. A collective
-    with a ``comm`` of several ranks (every rank calls it)."""
-    from lit_dist.data.discovery import publish_table
-    from lit_dist.runtime.distributed import Comm
-
-    comm = comm or Comm()
+    with a ``comm`` of several ranks (every rank calls it): each indexes every world-th Arrow file."""
     files = list_files(folder, storage_options)
     columns = columns.resolved(_column_names(folder, files[0], storage_options), folder)
-    wanted = signature(files, columns)
-    current = comm.broadcast(_indexed_from(index_path) == wanted if comm.rank == 0 else None)
-    if current:
-        return index_path
-    if comm.rank == 0:
-        log.info("lit-dist: indexing the Hugging Face dataset %s (%d Arrow files) into %s", folder, len(files),
-                 index_path)
-    table = index(folder, columns, storage_options, files, comm)
-    publish_table(table, index_path, comm)
-    return index_path
+    return load_or_build(index_path, files, [columns.image, columns.caption, columns.label],
+                         lambda file: _index_file(folder, file, columns, storage_options),
+                         f"the Hugging Face dataset {folder}", comm)
 
 
-def _column_names(folder: str, file: ArrowFile, storage_options: dict | None) -> list[str]:
+def _column_names(folder: str, file: Container, storage_options: dict | None) -> list[str]:
     import pyarrow as pa
 
     fs, base = outage.url_to_fs(folder, **(storage_options or {}))
@@ -299,20 +230,3 @@ def _column_names(folder: str, file: ArrowFile, storage_options: dict | None) ->
             return pa.ipc.open_stream(f).schema.names
 
     return outage.call(names, folder, outage.DEADLINE_S)
-
-
-def _indexed_from(index_path: str) -> str | None:
-    """The signature an existing index was made from; None when there is none (or it is unreadable)."""
-    import pyarrow.parquet as pq
-
-    try:
-        fs, path = outage.url_to_fs(index_path)
-        if not fs.exists(path):
-            return None
-        with fs.open(path, "rb") as f:
-            metadata = pq.read_schema(f).metadata or {}
-    except (OSError, ValueError) as exc:
-        log.warning("lit-dist: the index %s is unreadable (%s); indexing again", index_path, exc)
-        return None
-    value = metadata.get(_SIGNATURE)
-    return value.decode() if value is not None else None

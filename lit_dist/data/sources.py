@@ -1,5 +1,5 @@
-"""Where the images of a run come from: one or several datasets, each a table, a scanned folder or a Hugging Face
-dataset folder.
+"""Where the images of a run come from: one or several datasets, each a table, a scanned folder, a Hugging Face
+dataset folder or WebDataset tar shards.
 
 Several datasets are mixed by weight (``data.datasets``); the single-dataset fields of
 ``BucketDataModule`` (``metadata``, ``scan_root``, ...) are shorthand for a list of one.
@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from lit_dist.errors import DataError
+
+SOURCE_FIELDS = ("metadata", "scan_root", "hf_dataset", "webdataset")  # where a dataset's rows come from: one of them
 
 
 @dataclass
@@ -31,6 +33,7 @@ class DatasetSource:
         image_column: With hf_dataset: the column of the images (datasets.Image or bytes).
         caption_column: With hf_dataset: the column of the captions; default caption, text or prompt if present.
         label_column: With hf_dataset: the column of the labels; default label if present.
+        webdataset: Instead of metadata: WebDataset tar shards, a brace pattern or a list (local or URLs).
     """
 
     metadata: str | None = None
@@ -44,16 +47,19 @@ class DatasetSource:
     image_column: str = "image"
     caption_column: str | None = None
     label_column: str | None = None
+    webdataset: str | list[str] | None = None
 
     def problems(self, where: str) -> list[str]:
         out = []
         given = {name: value for name, value in (("metadata", self.metadata), ("scan_root", self.scan_root),
-                                                 ("hf_dataset", self.hf_dataset)) if value is not None}
+                                                 ("hf_dataset", self.hf_dataset), ("webdataset", self.webdataset))
+                 if value is not None}
         if len(given) != 1:
             shown = ", ".join(f"{name} = {value!r}" for name, value in given.items()) or "none is set"
-            out.append(f"{where}: {shown}: set exactly one of metadata, scan_root and hf_dataset")
-        if self.hf_dataset is not None and self.root is not None:
-            out.append(f"{where}.root = {self.root!r}: a Hugging Face dataset holds its images; remove root")
+            out.append(f"{where}: {shown}: set exactly one of {', '.join(SOURCE_FIELDS)}")
+        if (self.hf_dataset is not None or self.webdataset is not None) and self.root is not None:
+            out.append(f"{where}.root = {self.root!r}: a Hugging Face dataset or tar shards hold their images; remove "
+                       "root")
         if self.weight <= 0:
             out.append(f"{where}.weight = {self.weight}: must be > 0")
         if self.repeats < 1:
@@ -69,6 +75,10 @@ class DatasetSource:
             from lit_dist.data.hf_dataset import default_index_path
 
             return self.index_cache or default_index_path(self.hf_dataset)
+        if self.webdataset is not None:
+            from lit_dist.data.webdataset import default_index_path
+
+            return self.index_cache or default_index_path(self.webdataset)
         from lit_dist.data.discovery import default_cache_path
 
         return self.index_cache or default_cache_path(self.scan_root)
@@ -79,12 +89,22 @@ class DatasetSource:
             return self.root
         if self.hf_dataset is not None:
             return self.hf_dataset
+        if self.webdataset is not None:
+            from lit_dist.data.webdataset import common_root, shard_paths
+
+            return common_root(shard_paths(self.webdataset))
         return self.scan_root if self.scan_root is not None else table_folder(self.metadata)
 
     @property
     def indexed(self) -> bool:
-        """Whether lit-dist makes this dataset's table (a scan, a Hugging Face dataset), rather than reading one."""
+        """Whether lit-dist makes this dataset's table (a scan, a Hugging Face dataset, tar shards), rather than
+        reading one."""
         return self.metadata is None
+
+    @property
+    def containers(self) -> bool:
+        """Whether its images are byte ranges of larger files (a Hugging Face dataset's Arrow files, tar shards)."""
+        return self.hf_dataset is not None or self.webdataset is not None
 
 
 def table_folder(metadata: str) -> str:

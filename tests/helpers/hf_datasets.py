@@ -13,7 +13,8 @@ def save_shapes(table: str, folder, splits: bool = True, caption: str = "caption
 
     rows = pq.read_table(table).to_pylist()
     root = os.path.dirname(table)
-    features = Features({"image": Image(), caption: Value("string"), "label": Value("string")})
+    labels = "int64" if isinstance(rows[0]["label"], int) else "string"
+    features = Features({"image": Image(), caption: Value("string"), "label": Value(labels)})
 
     def part(chosen: list[dict]) -> Dataset:
         images = []

@@ -82,3 +82,27 @@ def test_a_hugging_face_dataset_on_s3_gives_the_local_index_and_batches(s3, demo
     assert indexes[0].equals(indexes[1]) and indexes[0].num_rows == 400
     for local, remote in zip(*batches, strict=True):
         assert torch.equal(local["image"], remote["image"]) and local["caption"] == remote["caption"]
+
+
+def test_tar_shards_on_s3_give_the_local_index_and_batches(s3, demo_data, tmp_path):
+    """WebDataset shards on the store: each read once as a stream to index it, then each image one ranged GET."""
+    import pyarrow.parquet as pq
+
+    from tests.helpers.tar_shards import save_shapes
+
+    save_shapes(str(demo_data), tmp_path / "tars", per_shard=150)
+    s3.put(str(tmp_path / "tars"), f"{s3.bucket}/tars", recursive=True)
+    options = {"client_kwargs": {"endpoint_url": s3.endpoint}}
+    batches, indexes = [], []
+    for i, (pattern, opts) in enumerate(((str(tmp_path / "tars" / "{00000..00002}.tar"), None),
+                                         (f"s3://{s3.bucket}/tars/{{00000..00002}}.tar", options))):
+        index = str(tmp_path / f"index-{i}.parquet")
+        dm = BucketDataModule(webdataset=pattern, index_cache=index, resolution=32, batch_size_per_device=4,
+                              num_workers=0, storage_options=opts, node_index_dir=None)
+        dm.prepare_data()
+        dm.setup("fit")
+        batches.append(list(dm.train_dataloader())[:5])
+        indexes.append(pq.read_table(index).drop_columns(["mtime"]))
+    assert indexes[0].equals(indexes[1]) and indexes[0].num_rows == 400
+    for local, remote in zip(*batches, strict=True):
+        assert torch.equal(local["image"], remote["image"]) and local["caption"] == remote["caption"]

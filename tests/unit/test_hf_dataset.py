@@ -75,7 +75,7 @@ def test_it_mixes_with_a_table_and_takes_the_columns_it_is_told(shapes, tmp_path
     with pytest.raises(DataError, match=r"data.hf_dataset = .*: no state.json or dataset_dict.json in .*: not a folder "
                                         r"written by save_to_disk"):
         _module(tmp_path, hf_dataset=str(shapes.parent))
-    with pytest.raises(ConfigError, match="set exactly one of metadata, scan_root and hf_dataset"):
+    with pytest.raises(ConfigError, match="set exactly one of metadata, scan_root, hf_dataset, webdataset"):
         BucketDataModule(metadata=str(shapes), hf_dataset=str(folder))
 
 
