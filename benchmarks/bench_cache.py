@@ -52,7 +52,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import ROOT, SHORT_HELP, command, lit_dist, machine, result_line
+from benchmarks.common import ROOT, SHORT_HELP, command, lit_dist, local_s3, machine, result_line
 
 RESOLUTION = 256
 
@@ -291,30 +291,10 @@ def bench_compression(arrays: list[np.ndarray], layout: str | None = None) -> di
 
 def bench_s3(table: str, tmp: str) -> dict:
     """Requests sent to read one sample of a cache on a local S3 server (moto, as the tests use)."""
-    import socket
-
-    import requests
-
     from lit_dist.cache.config import CacheConfig
     from lit_dist.data.datamodule import BucketDataModule
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        endpoint = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                requests.get(endpoint, timeout=10)  # its first answer imports its services: seconds on a busy machine
-                break
-            except requests.ConnectionError:  # not listening yet
-                time.sleep(0.1)
-        for key, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
-                           ("AWS_DEFAULT_REGION", "us-east-1")):
-            os.environ.setdefault(key, value)
-        options = {"client_kwargs": {"endpoint_url": endpoint}}
+    with local_s3() as options:
         import s3fs
 
         s3fs.S3FileSystem(**options).mkdir("bench-cache")
@@ -332,9 +312,6 @@ def bench_s3(table: str, tmp: str) -> dict:
         seconds = (time.perf_counter() - started) / 20
         ranged = all(r.method == "GET" and "Range" in r.headers for r in sent)
         return {"requests_per_sample": len(sent) / 20, "all_ranged_gets": ranged, "ms_per_sample": seconds * 1000}
-    finally:
-        server.terminate()
-        server.wait(10)
 
 
 def bench_memory(tmp: str, samples: int) -> dict:

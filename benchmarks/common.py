@@ -347,6 +347,42 @@ class StateMemory(Callback):
             print("BENCH " + json.dumps({**self.peak, "num_params": params}), flush=True)
 
 
+def s3_credentials() -> None:
+    """The local S3 server's credentials in the environment, where unset. Before any loader worker starts when
+    they read from it: workers fork from a server that keeps the environment it started with."""
+    for key, value in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench"),
+                       ("AWS_DEFAULT_REGION", "us-east-1")):
+        os.environ.setdefault(key, value)
+
+
+@contextlib.contextmanager
+def local_s3():
+    """A local S3 server (moto's server mode, as the tests use) for the block: yields the storage options that reach
+    it (its credentials set in the environment where unset)."""
+    import socket
+
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                requests.get(endpoint, timeout=10)  # its first answer imports its services: seconds on a busy machine
+                break
+            except requests.ConnectionError:  # not listening yet
+                time.sleep(0.1)
+        s3_credentials()
+        yield {"client_kwargs": {"endpoint_url": endpoint}}
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
 def checks(figures: dict, targets: dict) -> dict:
     """{name: whether it met its target} for ``targets`` ({name: (">=" or "<=", bound)}) of ``figures``; a figure
     the run did not measure (absent or None) is left out."""

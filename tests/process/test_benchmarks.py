@@ -25,7 +25,7 @@ EXTRAS = {"bench_cache": ["diffusers"], "bench_generative": ["diffusers", "trans
           "bench_pipeline": ["diffusers", "transformers", "accelerate"],
           "bench_lora": ["diffusers", "transformers", "accelerate", "peft"],
           "bench_lora_quality": ["diffusers", "transformers", "peft"],
-          "bench_pipeline_quality": ["diffusers", "transformers"],
+          "bench_pipeline_quality": ["diffusers", "transformers"], "bench_sources": ["datasets"],
           "bench_strategies": ["deepspeed"]}
 # Its target is about CUDA synchronisations: without a GPU its line says met null, which is the truth.
 MET_NEEDS_CUDA = {"profile_step"}

@@ -1,0 +1,169 @@
+"""Data where users keep it: WebDataset tar shards and a Hugging Face dataset folder against the same images as
+files in a folder (a parquet table of file names), read by the training loader.
+
+The demo shapes (PNG) written three ways: files, tar shards (tests/helpers/tar_shards.py: png, txt, cls per sample)
+and a ``save_to_disk`` folder written by ``datasets`` (tests/helpers/hf_datasets.py). Each is indexed first (not
+timed here); then images/s of the training loader (``--workers`` loader workers, every image decoded, resized and
+cropped to its bucket), after a first pass of each that starts its workers and fills the page cache: medians of
+``--rounds`` interleaved epochs.
+
+1. tar shards over files, local disk: target >= 1.5 (one open descriptor and a ``pread`` per image, where a file
+   is an open, a read and a close).
+2. the same on the local S3 server (moto, as the tests use): target >= 3 (one ranged GET per image, where s3fs
+   opens a file with a HEAD before its GET).
+3. building the shards' index (every member's header) on 2 processes against 1: target >= 1.7 (``lit-dist
+   index``'s way: the shards split over ranks).
+4. the Hugging Face folder over files, local disk: target >= 1.0.
+
+    .venv/bin/python -m benchmarks.bench_sources [--images 20000] [--rounds 5] [--short]
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import SHORT_HELP, checks, local_s3, machine, result_line, s3_credentials
+
+TARGETS = {"tar_local_ratio": (">=", 1.5), "tar_s3_ratio": (">=", 3.0), "index_2_over_1": (">=", 1.7),
+           "hf_local_ratio": (">=", 1.0)}
+SETTINGS = dict(resolution=32, batch_size_per_device=32, val_fraction=0.0, allow_oversubscription=True, cache=None,
+                node_index_dir=None)
+
+
+def loader(workers: int, **source):
+    from lit_dist.data.datamodule import BucketDataModule
+
+    dm = BucketDataModule(num_workers=workers, **SETTINGS, **source)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm.train_dataloader()
+
+
+def epoch_rate(loader_, epoch: int, limit: int | None = None) -> float:
+    """Images/s of one pass of ``loader_`` (its first ``limit`` batches)."""
+    loader_.sampler.set_epoch(epoch)
+    started, seen = time.perf_counter(), 0
+    for i, batch in enumerate(loader_):
+        seen += len(batch["image"])
+        if limit is not None and i + 1 >= limit:
+            break
+    return seen / (time.perf_counter() - started)
+
+
+def interleaved(loaders: dict, rounds: int, limit: int | None = None) -> dict:
+    """{name: [images/s per round]}: a first pass of each not counted, then ``rounds`` epochs of each in turn."""
+    for one in loaders.values():
+        epoch_rate(one, 0, limit)
+    rates = {name: [] for name in loaders}
+    for epoch in range(1, rounds + 1):
+        for name, one in loaders.items():
+            rates[name].append(epoch_rate(one, epoch, limit))
+    return rates
+
+
+def index_seconds(pattern: str, tmp: str, processes: int) -> float:
+    """Seconds to index the shards of ``pattern`` on ``processes`` ranks (gloo, as a run's ranks do)."""
+    code = f"""
+import os, sys, time, torch.distributed as dist
+from lit_dist.data.webdataset import load_or_index
+from lit_dist.runtime.distributed import Comm
+if int(os.environ["WORLD_SIZE"]) > 1:
+    dist.init_process_group("gloo")
+comm = Comm.current()
+comm.barrier()
+started = time.perf_counter()
+load_or_index({pattern!r}, os.path.join({tmp!r}, "index-{processes}.parquet"), comm=comm)
+if comm.rank == 0:
+    print("SECONDS", time.perf_counter() - started, flush=True)
+"""
+    port = 29500 + os.getpid() % 1000
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(processes),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(processes)]
+    outs = [p.communicate(timeout=3600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"indexing on {processes} processes failed: {outs}")
+    return float(outs[0].split("SECONDS")[1].split()[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=20000, help="demo shapes read by the loaders")
+    parser.add_argument("--index-images", type=int, default=100000, help="demo shapes in the shards indexed")
+    parser.add_argument("--per-shard", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--s3-batches", type=int, default=40, help="batches of each S3 epoch timed")
+    parser.add_argument("--short", action="store_true", help=SHORT_HELP)
+    args = parser.parse_args()
+    if args.short:
+        args.images, args.index_images, args.per_shard, args.rounds, args.s3_batches = 128, 256, 32, 1, 2
+    print(f"machine: {machine()}; {args.images} demo shapes, {args.workers} loader workers, {args.rounds} rounds")
+    tmp = tempfile.mkdtemp(prefix="lit-dist-bench-sources-")
+    try:
+        figures = run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    met = checks(figures, TARGETS)
+    result_line("sources", figures["tar_local_ratio"], ">= 1.5", all(met.values()), checks=met, machine=machine(),
+                **figures, short=args.short)
+
+
+def run(args, tmp: str) -> dict:
+    from lit_dist.data.demo.shapes import create_shapes_dataset
+    from tests.helpers import hf_datasets, tar_shards
+
+    s3_credentials()  # before the first loader's workers start: the S3 part's fork from the same server
+    table = os.path.join(tmp, "shapes", "metadata.parquet")
+    create_shapes_dataset(table, num_images=args.images, seed=0)
+    shards = tar_shards.save_shapes(table, os.path.join(tmp, "tars"), per_shard=args.per_shard)
+    pattern = os.path.join(tmp, "tars", f"{{{0:05d}..{len(shards) - 1:05d}}}.tar")
+    hf = hf_datasets.save_shapes(table, os.path.join(tmp, "hf"), splits=False)
+    local = {"files": loader(args.workers, metadata=table),
+             "tars": loader(args.workers, webdataset=pattern, index_cache=os.path.join(tmp, "tars.parquet")),
+             "hf": loader(args.workers, hf_dataset=hf, index_cache=os.path.join(tmp, "hf.parquet"))}
+    rates = interleaved(local, args.rounds)
+    del local
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    print(f"local, images/s: files {rates['files']}, tar shards {rates['tars']}, Hugging Face {rates['hf']}",
+          flush=True)
+
+    with local_s3() as options:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**options)
+        fs.mkdir("bench-sources")
+        fs.put(os.path.dirname(table), "bench-sources/shapes", recursive=True)
+        fs.put(os.path.join(tmp, "tars"), "bench-sources/tars", recursive=True)
+        remote = {"files": loader(args.workers, metadata="s3://bench-sources/shapes/metadata.parquet",
+                                  storage_options=options),
+                  "tars": loader(args.workers, webdataset=f"s3://bench-sources/tars/{os.path.basename(pattern)}",
+                                 index_cache=os.path.join(tmp, "tars-s3.parquet"), storage_options=options)}
+        s3_rates = interleaved(remote, args.rounds, limit=args.s3_batches)
+        del remote
+    print(f"S3, images/s over {args.s3_batches} batches: files {s3_rates['files']}, tar shards {s3_rates['tars']}",
+          flush=True)
+
+    big = os.path.join(tmp, "big", "metadata.parquet")
+    create_shapes_dataset(big, num_images=args.index_images, seed=1)
+    many = tar_shards.save_shapes(big, os.path.join(tmp, "big-tars"), per_shard=args.per_shard)
+    big_pattern = os.path.join(tmp, "big-tars", f"{{{0:05d}..{len(many) - 1:05d}}}.tar")
+    seconds = {n: index_seconds(big_pattern, tmp, n) for n in (1, 2)}
+    print(f"indexing {args.index_images} images in {len(many)} shards: 1 process {seconds[1]:.1f} s, 2 processes "
+          f"{seconds[2]:.1f} s", flush=True)
+    return {
+        "tar_local_ratio": medians["tars"] / medians["files"], "hf_local_ratio": medians["hf"] / medians["files"],
+        "tar_s3_ratio": statistics.median(s3_rates["tars"]) / statistics.median(s3_rates["files"]),
+        "index_2_over_1": seconds[1] / seconds[2],
+        "local_images_per_s": rates, "s3_images_per_s": s3_rates, "index_seconds": seconds,
+    }
+
+
+if __name__ == "__main__":
+    main()
