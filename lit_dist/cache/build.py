@@ -129,8 +129,8 @@ def check_sources(plan: CachePlan, found: list[dict], comm: Comm) -> None:
     def check() -> None:
         for need, entries in zip(plan.needs, found, strict=True):
             lacking = [entries[name] < 0 for name in plan.fields if name != "caption_encoder"]  # captions: no image
-            if lacking:
-                images = need.images
+            images = need.images
+            if lacking and images.members is None:  # byte ranges of containers: their index was just made from them
                 check_files_exist(images.url, images.filenames, np.flatnonzero(np.logical_or.reduce(lacking)),
                                   need.root_field[0], images.storage_options, need.root_field[1])
 

@@ -122,3 +122,19 @@ def test_cut_shards_and_members_that_are_not_images_are_counted(shapes, tmp_path
         f.truncate(int(offsets[-4]))
     batches = list(dm.train_dataloader())
     assert sum(int(b["bad_samples"]) for b in batches) > 0 and all(b["image"].shape[0] == 4 for b in batches)
+
+
+def test_a_pixel_cache_builds_from_shards_and_gives_their_batches(shapes, tmp_path):
+    from lit_dist.cache.config import CacheConfig
+
+    save_shapes(str(shapes), tmp_path / "tars", per_shard=40)
+    source = {"webdataset": str(tmp_path / "tars" / "{00000..00002}.tar"), "index_cache": str(tmp_path / "i.parquet")}
+    plain = BucketDataModule(val_fraction=0.0, **{**SETTINGS, **source})
+    cached = BucketDataModule(val_fraction=0.0, **{**SETTINGS, **source,
+                                                   "cache": CacheConfig(dir=str(tmp_path / "cache"), mode="build")})
+    for dm in (plain, cached):
+        dm.prepare_data()
+        dm.setup("fit")
+    assert cached._cache_views is not None, "no cache opened"
+    for a, b in zip(plain.train_dataloader(), cached.train_dataloader(), strict=True):
+        assert torch.equal(a["image"], b["image"])
