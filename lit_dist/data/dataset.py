@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from lit_dist.cache.shards import from_stored
+from lit_dist.ckpt.files import is_local
 from lit_dist.reading.crops import centre_crop, centre_offsets, covering_size, crop_offsets
 from lit_dist.reading.decode import covering as decode_covering
 from lit_dist.reading.decode import guard_against_bombs, reason
@@ -254,12 +255,15 @@ class BucketImageDataset(torch.utils.data.Dataset):
         return decode_covering(data, width, height)
 
     def _read_bytes(self, path: str) -> bytes:
-        with self._open_fs().open(path, "rb") as f:
+        fs = self._open_fs()
+        if is_local(fs):  # Python's own open: fsspec's local file object costs 114 us a file against 49
+            with open(path, "rb") as f:
+                return f.read()
+        with fs.open(path, "rb") as f:
             return f.read()
 
     def _member_reader(self, index: int):
         """Reads sample ``index``'s byte range of its file (the name before "#" in ``path``)."""
-        from lit_dist.ckpt.files import is_local
         from lit_dist.reading.members import Members
 
         fs = self._open_fs()
