@@ -104,7 +104,7 @@ class BucketDataModule(LightningDataModule):
             labels_from_folders: With scan_root: the first folder level of each image is its label.
             index_cache: With scan_root or hf_dataset: where the index is kept; default ~/.cache/lit-dist/.
             preserve_cache: With scan_root: use the cached index as it is, without rescanning the folder.
-            hf_dataset: Instead of metadata: a Hugging Face dataset folder written by save_to_disk (local or URL).
+            hf_dataset: Instead of metadata: a Hugging Face dataset: a save_to_disk folder (local or URL), parquet files with an image column, or a hub id.
             image_column: With hf_dataset: the column of the images (datasets.Image or bytes).
             caption_column: With hf_dataset: the column of the captions; default caption, text or prompt if present.
             label_column: With hf_dataset: the column of the labels; default label if present.

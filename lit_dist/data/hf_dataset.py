@@ -1,5 +1,10 @@
-"""A Hugging Face dataset as a source (``data.hf_dataset``): a folder written by ``save_to_disk``, local or on an
-object store, indexed once into a table as a scanned folder is, then read as any table is.
+"""A Hugging Face dataset as a source (``data.hf_dataset``): a folder written by ``save_to_disk`` (local or on an
+object store), or what ``datasets.load_dataset`` opens (parquet files with an image column, a folder of them as
+the hub lays them out, a hub id), indexed once into a table as a scanned folder is, then read as any table is.
+
+``load_dataset`` turns parquet files and hub datasets into Arrow files in the Hugging Face cache
+(``HF_DATASETS_CACHE``) once: lit-dist indexes those, named by their absolute path under the root ``/``. Rank 0
+loads first, the other ranks then find the cache filled; it must be on storage every rank sees.
 
 The folder is a ``Dataset`` (``state.json`` naming its Arrow files) or a ``DatasetDict`` (``dataset_dict.json``
 and a folder per split). Its Arrow files are IPC streams, the image column a struct of ``bytes`` and ``path``
@@ -19,6 +24,7 @@ and the chosen columns are the same. Several ranks index a file each in turn; ra
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +48,67 @@ CAPTION_COLUMNS = ("caption", "text", "prompt")  # tried in this order when capt
 def default_index_path(folder: str) -> str:
     """Where the index of ``folder`` is kept: ~/.cache/lit-dist/hf-<hash of folder>.parquet."""
     return default_path("hf", folder)
+
+
+def is_saved(source: str, storage_options: dict | None = None) -> bool:
+    """Whether ``source`` is a folder written by ``save_to_disk`` (a URL always is: only those are read from an
+    object store); else it is what ``load_dataset`` opens."""
+    if "://" in source:
+        return True
+    return any(os.path.isfile(os.path.join(source, name)) for name in ("dataset_dict.json", "state.json"))
+
+
+def root_of(source: str) -> str:
+    """The folder the index's file names are relative to: the saved folder, or ``/`` for the Arrow files
+    ``load_dataset`` left in the Hugging Face cache (named by their absolute paths)."""
+    return source if is_saved(source) else "/"
+
+
+def containers(source: str, storage_options: dict | None = None, comm: "Comm | None" = None) -> list[Container]:
+    """The Arrow files of ``source`` in the dataset's order: a saved folder's, or those ``load_dataset`` makes of
+    it (rank 0 first). A collective with a ``comm`` of several ranks."""
+    from lit_dist.runtime.distributed import Comm
+
+    if is_saved(source):
+        return list_files(source, storage_options)
+    comm = comm or Comm()
+    comm.on_rank_zero(lambda: _loaded(source), f"loading {source} with datasets.load_dataset")
+    found = comm.on_every_rank(lambda: _loaded(source), f"loading {source} with datasets.load_dataset")
+    if any(files != found[0] for files in found):
+        raise DataError(f"data.hf_dataset = {source!r}: load_dataset put its Arrow files in different places on "
+                        "different ranks (a Hugging Face cache on each node's own disk): set HF_DATASETS_CACHE to a "
+                        "folder every node sees, or save_to_disk the dataset there and name that folder")
+    return found[0]
+
+
+def _loaded(source: str) -> list[Container]:
+    """The Arrow files ``load_dataset`` makes of ``source`` (a parquet file or glob, a folder, a hub id)."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ConfigError(f"data.hf_dataset = {source!r} is no save_to_disk folder, and loading it needs the datasets "
+                          "package: pip install datasets (or name a folder written by save_to_disk)") from exc
+    parquet = source.endswith(".parquet") or (any(c in source for c in "*?[") and ".parquet" in source)
+    try:
+        loaded = datasets.load_dataset("parquet", data_files=source) if parquet else datasets.load_dataset(source)
+    except (FileNotFoundError, ValueError, ConnectionError, OSError) as exc:
+        raise DataError(f"data.hf_dataset = {source!r}: datasets.load_dataset cannot open it ({exc}). Name a folder "
+                        "written by save_to_disk, parquet files with an image column, or a hub id reachable from "
+                        "here") from exc
+    out = []
+    for name, split in loaded.items():
+        if name not in SPLITS:
+            log.info("lit-dist: data.hf_dataset: the split %r of %s is not used (train, validation and test are)",
+                     name, source)
+            continue
+        for entry in split.cache_files:
+            path = os.path.abspath(entry["filename"])
+            info = os.stat(path)
+            out.append(Container(path.lstrip("/"), SPLITS[name] if len(loaded) > 1 or name != "train" else None,
+                                 info.st_size, info.st_mtime))
+    if not out:
+        raise DataError(f"data.hf_dataset = {source!r}: load_dataset found no split train, validation or test in it")
+    return out
 
 
 def list_files(folder: str, storage_options: dict | None = None) -> list[Container]:
@@ -213,10 +280,11 @@ def load_or_index(folder: str, columns: Columns, index_path: str, storage_option
                   comm: "Comm | None" = None) -> str:
     """Make sure ``index_path`` holds the index of ``folder`` for ``columns``; returns ``index_path``. A collective
     with a ``comm`` of several ranks (every rank calls it): each indexes every world-th Arrow file."""
-    files = list_files(folder, storage_options)
-    columns = columns.resolved(_column_names(folder, files[0], storage_options), folder)
+    files = containers(folder, storage_options, comm)
+    root = root_of(folder)
+    columns = columns.resolved(_column_names(root, files[0], storage_options), folder)
     return load_or_build(index_path, files, [columns.image, columns.caption, columns.label],
-                         lambda file: _index_file(folder, file, columns, storage_options),
+                         lambda file: _index_file(root, file, columns, storage_options),
                          f"the Hugging Face dataset {folder}", comm)
 
 

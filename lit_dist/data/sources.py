@@ -29,7 +29,7 @@ class DatasetSource:
         repeats: Times each of its training samples is seen per epoch (before weighting).
         labels_from_folders: With scan_root: the first folder level of each image is its label.
         index_cache: With scan_root or hf_dataset: where the index is kept; default ~/.cache/lit-dist/.
-        hf_dataset: Instead of metadata: a Hugging Face dataset folder written by save_to_disk (local or URL).
+        hf_dataset: Instead of metadata: a Hugging Face dataset: a save_to_disk folder (local or URL), parquet files with an image column, or a hub id.
         image_column: With hf_dataset: the column of the images (datasets.Image or bytes).
         caption_column: With hf_dataset: the column of the captions; default caption, text or prompt if present.
         label_column: With hf_dataset: the column of the labels; default label if present.
@@ -88,7 +88,9 @@ class DatasetSource:
         if self.root is not None:
             return self.root
         if self.hf_dataset is not None:
-            return self.hf_dataset
+            from lit_dist.data.hf_dataset import root_of
+
+            return root_of(self.hf_dataset)
         if self.webdataset is not None:
             from lit_dist.data.webdataset import common_root, shard_paths
 

@@ -120,3 +120,32 @@ def test_a_damaged_image_is_a_bad_row_and_a_file_cut_short_later_bad_samples(sha
     with pytest.raises(DataError, match="samples in a row of bucket .* could not be read, under .*broken: "
                                         r"data-00000-of-00001.arrow#\d+.* ends before this sample's bytes"):
         list(dm.train_dataloader())
+
+
+def test_parquet_files_with_an_image_column_load_through_datasets_and_give_the_same_batches(shapes, tmp_path,
+                                                                                             monkeypatch):
+    """The hub's layout (data/train-*.parquet, data/validation-*.parquet): load_dataset makes Arrow files of them
+    in the Hugging Face cache once, and lit-dist indexes those, named by their absolute paths."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    saved = datasets.load_from_disk(str(save_shapes(str(shapes), tmp_path / "hf")))
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    for name, split in saved.items():
+        split.to_parquet(str(tmp_path / "hub" / "data" / f"{name}-00000-of-00001.parquet"))
+    from_folder = _module(tmp_path, hf_dataset=str(tmp_path / "hf"), index_cache=str(tmp_path / "a.parquet"))
+    from_parquet = _module(tmp_path, hf_dataset=str(tmp_path / "hub"), index_cache=str(tmp_path / "b.parquet"))
+    for split in ("train", "val"):
+        assert len(from_parquet._splits[split]) == len(from_folder._splits[split]) > 0
+    for a, b in zip(from_folder.train_dataloader(), from_parquet.train_dataloader(), strict=True):
+        assert torch.equal(a["image"], b["image"]) and a["caption"] == b["caption"]
+    name = pq.read_table(tmp_path / "b.parquet").column("filename")[0].as_py()
+    assert name.startswith(str(tmp_path / "hf-cache").lstrip("/")) and name.endswith(".arrow#0"), name
+    # A hub id from a machine without the network (offline: no retries for half a minute first).
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match=r"data.hf_dataset = 'lit-dist/no-such-dataset': datasets.load_dataset cannot "
+                                        "open it"):
+        _module(tmp_path, hf_dataset="lit-dist/no-such-dataset", index_cache=str(tmp_path / "c.parquet"))
