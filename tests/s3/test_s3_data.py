@@ -59,45 +59,30 @@ def test_fit_reads_its_data_from_s3(remote_demo, tmp_path):
     assert "val/acc" in out.stdout
 
 
-def test_a_hugging_face_dataset_on_s3_gives_the_local_index_and_batches(s3, demo_data, tmp_path):
-    """A save_to_disk folder on the store: indexed from it (the same table as the local folder's but for the
-    files' times) and each image read as one ranged GET of its Arrow file."""
+
+@pytest.mark.parametrize("layout", ["hf_dataset", "webdataset"])
+def test_a_container_source_on_s3_gives_the_local_index_and_batches(layout, s3, demo_data, tmp_path):
+    """A save_to_disk folder or tar shards on the store: indexed from it (each file read once), the same table as
+    the local copy's but for the files' times, and each image read as one ranged GET of its file."""
     import pyarrow.parquet as pq
 
-    pytest.importorskip("datasets")
-    from tests.helpers.hf_datasets import save_shapes
+    if layout == "hf_dataset":
+        pytest.importorskip("datasets")
+        from tests.helpers.hf_datasets import save_shapes
 
-    folder = save_shapes(str(demo_data), tmp_path / "hf", rows_per_file=150)
-    s3.put(str(folder), f"{s3.bucket}/hf", recursive=True)
+        save_shapes(str(demo_data), tmp_path / "data", rows_per_file=150)
+        name = ""
+    else:
+        from tests.helpers.tar_shards import save_shapes
+
+        save_shapes(str(demo_data), tmp_path / "data", per_shard=150)
+        name = "/{00000..00002}.tar"
+    s3.put(str(tmp_path / "data"), f"{s3.bucket}/data", recursive=True)
     options = {"client_kwargs": {"endpoint_url": s3.endpoint}}
     batches, indexes = [], []
-    for i, (path, opts) in enumerate(((str(folder), None), (f"s3://{s3.bucket}/hf", options))):
+    for i, (where, opts) in enumerate(((str(tmp_path / "data"), None), (f"s3://{s3.bucket}/data", options))):
         index = str(tmp_path / f"index-{i}.parquet")
-        dm = BucketDataModule(hf_dataset=path, index_cache=index, resolution=32, batch_size_per_device=4,
-                              num_workers=0, storage_options=opts, node_index_dir=None)
-        dm.prepare_data()
-        dm.setup("fit")
-        batches.append(list(dm.train_dataloader())[:5])
-        indexes.append(pq.read_table(index).drop_columns(["mtime"]))
-    assert indexes[0].equals(indexes[1]) and indexes[0].num_rows == 400
-    for local, remote in zip(*batches, strict=True):
-        assert torch.equal(local["image"], remote["image"]) and local["caption"] == remote["caption"]
-
-
-def test_tar_shards_on_s3_give_the_local_index_and_batches(s3, demo_data, tmp_path):
-    """WebDataset shards on the store: each read once as a stream to index it, then each image one ranged GET."""
-    import pyarrow.parquet as pq
-
-    from tests.helpers.tar_shards import save_shapes
-
-    save_shapes(str(demo_data), tmp_path / "tars", per_shard=150)
-    s3.put(str(tmp_path / "tars"), f"{s3.bucket}/tars", recursive=True)
-    options = {"client_kwargs": {"endpoint_url": s3.endpoint}}
-    batches, indexes = [], []
-    for i, (pattern, opts) in enumerate(((str(tmp_path / "tars" / "{00000..00002}.tar"), None),
-                                         (f"s3://{s3.bucket}/tars/{{00000..00002}}.tar", options))):
-        index = str(tmp_path / f"index-{i}.parquet")
-        dm = BucketDataModule(webdataset=pattern, index_cache=index, resolution=32, batch_size_per_device=4,
+        dm = BucketDataModule(**{layout: where + name}, index_cache=index, resolution=32, batch_size_per_device=4,
                               num_workers=0, storage_options=opts, node_index_dir=None)
         dm.prepare_data()
         dm.setup("fit")
