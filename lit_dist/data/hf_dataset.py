@@ -50,7 +50,7 @@ def default_index_path(folder: str) -> str:
     return default_path("hf", folder)
 
 
-def is_saved(source: str, storage_options: dict | None = None) -> bool:
+def is_saved(source: str) -> bool:
     """Whether ``source`` is a folder written by ``save_to_disk`` (a URL always is: only those are read from an
     object store); else it is what ``load_dataset`` opens."""
     if "://" in source:

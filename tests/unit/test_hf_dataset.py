@@ -72,8 +72,9 @@ def test_it_mixes_with_a_table_and_takes_the_columns_it_is_told(shapes, tmp_path
         _module(tmp_path, hf_dataset=str(folder), caption_column="prompt", index_cache=str(tmp_path / "j.parquet"))
     with pytest.raises(ConfigError, match=r"data.image_column = 'text': in .* it holds string, not images"):
         _module(tmp_path, hf_dataset=str(folder), image_column="text", index_cache=str(tmp_path / "k.parquet"))
-    with pytest.raises(DataError, match=r"data.hf_dataset = .*: no state.json or dataset_dict.json in .*: not a folder "
-                                        r"written by save_to_disk"):
+    # Neither a saved folder nor anything load_dataset opens (its metadata table has no file_name): one line.
+    with pytest.raises(DataError, match=r"data.hf_dataset = .*: datasets.load_dataset cannot open it .*Name a folder "
+                                        r"written by save_to_disk, parquet files with an image column, or a hub id"):
         _module(tmp_path, hf_dataset=str(shapes.parent))
     with pytest.raises(ConfigError, match="set exactly one of metadata, scan_root, hf_dataset, webdataset"):
         BucketDataModule(metadata=str(shapes), hf_dataset=str(folder))
