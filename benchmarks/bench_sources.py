@@ -97,16 +97,23 @@ started = time.perf_counter()
 load_or_index({pattern!r}, os.path.join({tmp!r}, "index-{processes}.parquet"), comm=comm)
 if comm.rank == 0:
     print("SECONDS", time.perf_counter() - started, flush=True)
+if dist.is_initialized():  # gloo's threads left to the interpreter's exit abort it ("terminate called ...")
+    comm.barrier()
+    dist.destroy_process_group()
 """
-    port = 29500 + os.getpid() % 1000
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+    import socket
+
+    with socket.socket() as free:  # a port nobody holds (the suite runs other ranks beside this)
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(processes),
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
              for r in range(processes)]
-    outs = [p.communicate(timeout=3600)[0] for p in procs]
+    outs = [p.communicate(timeout=3600) for p in procs]
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"indexing on {processes} processes failed: {outs}")
-    return float(outs[0].split("SECONDS")[1].split()[0])
+        raise RuntimeError(f"indexing on {processes} processes failed: {[err[-2000:] for _, err in outs]}")
+    return float(outs[0][0].split("SECONDS")[1].split()[0])
 
 
 def main() -> None:
@@ -129,7 +136,9 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     met = checks(figures, TARGETS)
-    result_line("sources", figures["tar_local_ratio"], ">= 1.5", all(met.values()) and len(met) == len(TARGETS),
+    # The cold ratio is the target's; a short run (or one without root) has only the warm one.
+    ratio = figures["tar_local_ratio"] if figures["tar_local_ratio"] is not None else figures["tar_local_warm_ratio"]
+    result_line("sources", ratio, ">= 1.5", all(met.values()) and len(met) == len(TARGETS),
                 checks=met, machine=machine(),
                 **figures, short=args.short)
 
