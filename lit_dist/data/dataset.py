@@ -85,7 +85,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         self.fill = fill  # data.cache.mode ondemand: a FillKeys, which says what missing entries are written as
         self.sizes = sizes  # (N, 2) int32 original (width, height) by table position: batches get time_ids
         # (N, 2) int64 (offset, length) by table position: each image is a byte range of the file its name's part
-        # before "#" names (a Hugging Face dataset's Arrow file), not a file of its own.
+        # before "#" names (a Hugging Face dataset's Arrow file, a tar shard), not a file of its own.
         self.members = members
         self._ranges = None  # reading.members.Members, made on the first read in each process
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
@@ -268,7 +268,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
         fs = self._open_fs()
         if self._ranges is None or self._ranges.fs is not fs:
-            self._ranges = Members(fs, is_local(fs))
+            self._ranges = Members(fs)
         offset, length = (int(v) for v in self.members[int(self.positions[index])])
         return lambda path: self._ranges.read(path.rsplit("#", 1)[0], offset, length)
 

@@ -1,10 +1,11 @@
-"""Samples that are byte ranges of larger files: the images of a Hugging Face dataset's Arrow files (an index row's
-``offset`` and ``length``). One read per sample: ``os.pread`` on a descriptor kept open per file on a local disk,
+"""Samples that are byte ranges of larger files: the images of a Hugging Face dataset's Arrow files and of tar
+shards (an index row's ``offset`` and ``length``). One read per sample: ``os.pread`` on a descriptor kept open per file on a local disk,
 one ranged GET on an object store; a range past the file's end (a truncated file) is a bad sample.
 """
 
 import os
 
+from lit_dist.ckpt.files import is_local
 from lit_dist.reading.unreadable import BadImage
 
 _OPEN_LIMIT = 64  # descriptors kept open per process; the oldest is closed past it
@@ -14,8 +15,8 @@ class Members:
     """Reads byte ranges of the files of one dataset. ``pread`` moves no file offset, so a forked loader worker
     shares the descriptors it inherits safely."""
 
-    def __init__(self, fs, local: bool):
-        self.fs, self.local = fs, local
+    def __init__(self, fs):
+        self.fs, self.local = fs, is_local(fs)
         self._fds: dict[str, int] = {}
 
     def read(self, path: str, offset: int, length: int) -> bytes:
