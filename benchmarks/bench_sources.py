@@ -8,12 +8,15 @@ cropped to its bucket), after a first pass of each that starts its workers and f
 ``--rounds`` interleaved epochs.
 
 1. tar shards over files, local disk, each epoch after the page cache is dropped (a dataset larger than memory,
-   the case shards are for): target >= 1.5 (one open descriptor and a ``pread`` per image, where a file is an
-   open, its inode and a read). The same with the page cache warm is reported too (decoding dominates it: a 6 kB
-   PNG reads in 49 us and decodes in 0.7 ms). Dropping the cache needs root; without it the cold figures are
-   left out and say so.
-2. the same on the local S3 server (moto, as the tests use): target >= 3 (one ranged GET per image, where s3fs
-   opens a file with a HEAD before its GET).
+   the case shards are for): target >= 1.5. The shards are read two ways: shuffled sample by sample (one open
+   descriptor and a ``pread`` per image, where a file is an open, its inode and a read), and with
+   ``data.shuffle_block`` (``--shuffle-block``, the batch size by default: a batch is a run of neighbours in a
+   shard, read with one ``pread``); the target's ratio is the second's, the files' shuffled sample by sample as a
+   folder of files is. The same with the page cache warm is reported too (decoding dominates it: a 6 kB PNG reads
+   in 49 us and decodes in 0.7 ms). Dropping the cache needs root; without it the cold figures are left out and
+   say so.
+2. the same on the local S3 server (moto, as the tests use): target >= 3 (one ranged GET per image, or per run of
+   neighbours in blocks, where s3fs opens a file with a HEAD before its GET).
 3. building the shards' index (every member's header) on 2 processes against 1: target >= 1.7 (``lit-dist
    index``'s way: the shards split over ranks).
 4. the Hugging Face folder over files, local disk (page cache dropped, as 1.): target >= 1.0.
@@ -124,6 +127,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--s3-batches", type=int, default=40, help="batches of each S3 epoch timed")
+    parser.add_argument("--shuffle-block", type=int, default=32, help="data.shuffle_block of the shards read in blocks")
     parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
     if args.short:
@@ -153,12 +157,13 @@ def run(args, tmp: str) -> dict:
     shards = tar_shards.save_shapes(table, os.path.join(tmp, "tars"), per_shard=args.per_shard)
     pattern = os.path.join(tmp, "tars", f"{{{0:05d}..{len(shards) - 1:05d}}}.tar")
     hf = hf_datasets.save_shapes(table, os.path.join(tmp, "hf"), splits=False)
-    local = {"files": loader(args.workers, metadata=table),
-             "tars": loader(args.workers, webdataset=pattern, index_cache=os.path.join(tmp, "tars.parquet")),
+    tars = dict(webdataset=pattern, index_cache=os.path.join(tmp, "tars.parquet"))
+    local = {"files": loader(args.workers, metadata=table), "tars": loader(args.workers, **tars),
+             "tars_blocks": loader(args.workers, shuffle_block=args.shuffle_block, **tars),
              "hf": loader(args.workers, hf_dataset=hf, index_cache=os.path.join(tmp, "hf.parquet"))}
     rates = interleaved(local, args.rounds)
-    print(f"local, warm page cache, images/s: files {rates['files']}, tar shards {rates['tars']}, Hugging Face "
-          f"{rates['hf']}", flush=True)
+    print(f"local, warm page cache, images/s: files {rates['files']}, tar shards {rates['tars']}, in blocks "
+          f"{rates['tars_blocks']}, Hugging Face {rates['hf']}", flush=True)
     # Not in a short run: the suite's other tests read files beside it.
     cold = interleaved(local, args.rounds, cold=True) if not args.short and drop_page_cache() else None
     if cold is None:
@@ -166,7 +171,7 @@ def run(args, tmp: str) -> dict:
               flush=True)
     else:
         print(f"local, page cache dropped before each epoch, images/s: files {cold['files']}, tar shards "
-              f"{cold['tars']}, Hugging Face {cold['hf']}", flush=True)
+              f"{cold['tars']}, in blocks {cold['tars_blocks']}, Hugging Face {cold['hf']}", flush=True)
     del local
     warm = {name: statistics.median(r) for name, r in rates.items()}
     medians = {name: statistics.median(r) for name, r in cold.items()} if cold else None
@@ -178,14 +183,16 @@ def run(args, tmp: str) -> dict:
         fs.mkdir("bench-sources")
         fs.put(os.path.dirname(table), "bench-sources/shapes", recursive=True)
         fs.put(os.path.join(tmp, "tars"), "bench-sources/tars", recursive=True)
+        remote_tars = dict(webdataset=f"s3://bench-sources/tars/{os.path.basename(pattern)}",
+                           index_cache=os.path.join(tmp, "tars-s3.parquet"), storage_options=options)
         remote = {"files": loader(args.workers, metadata="s3://bench-sources/shapes/metadata.parquet",
                                   storage_options=options),
-                  "tars": loader(args.workers, webdataset=f"s3://bench-sources/tars/{os.path.basename(pattern)}",
-                                 index_cache=os.path.join(tmp, "tars-s3.parquet"), storage_options=options)}
+                  "tars": loader(args.workers, **remote_tars),
+                  "tars_blocks": loader(args.workers, shuffle_block=args.shuffle_block, **remote_tars)}
         s3_rates = interleaved(remote, args.rounds, limit=args.s3_batches)
         del remote
-    print(f"S3, images/s over {args.s3_batches} batches: files {s3_rates['files']}, tar shards {s3_rates['tars']}",
-          flush=True)
+    print(f"S3, images/s over {args.s3_batches} batches: files {s3_rates['files']}, tar shards {s3_rates['tars']}, "
+          f"in blocks {s3_rates['tars_blocks']}", flush=True)
 
     big = os.path.join(tmp, "big", "metadata.parquet")
     create_shapes_dataset(big, num_images=args.index_images, seed=1)
@@ -194,12 +201,14 @@ def run(args, tmp: str) -> dict:
     seconds = {n: index_seconds(big_pattern, tmp, n) for n in (1, 2)}
     print(f"indexing {args.index_images} images in {len(many)} shards: 1 process {seconds[1]:.1f} s, 2 processes "
           f"{seconds[2]:.1f} s", flush=True)
+    s3 = {name: statistics.median(r) for name, r in s3_rates.items()}
     return {
-        "tar_local_ratio": medians["tars"] / medians["files"] if medians else None,
+        "tar_local_ratio": medians["tars_blocks"] / medians["files"] if medians else None,
+        "tar_local_sample_by_sample_ratio": medians["tars"] / medians["files"] if medians else None,
         "hf_local_ratio": medians["hf"] / medians["files"] if medians else None,
-        "tar_local_warm_ratio": warm["tars"] / warm["files"], "hf_local_warm_ratio": warm["hf"] / warm["files"],
+        "tar_local_warm_ratio": warm["tars_blocks"] / warm["files"], "hf_local_warm_ratio": warm["hf"] / warm["files"],
         "local_cold_images_per_s": cold,
-        "tar_s3_ratio": statistics.median(s3_rates["tars"]) / statistics.median(s3_rates["files"]),
+        "tar_s3_ratio": s3["tars_blocks"] / s3["files"], "tar_s3_sample_by_sample_ratio": s3["tars"] / s3["files"],
         "index_2_over_1": seconds[1] / seconds[2],
         "local_images_per_s": rates, "s3_images_per_s": s3_rates, "index_seconds": seconds,
     }

@@ -243,9 +243,10 @@ class _Decode(torch.utils.data.Dataset):
         w, h = (int(v) for v in self.sizes[d][rows[0]])
         wanted = lacking.get("pixels", False) | lacking.get("encoder", False)  # captions need no image
         images, unreadable = [None] * len(rows), np.zeros(len(rows), dtype=bool)
+        together = self.images[d].read_together(rows[wanted])  # a batch's neighbours in a tar shard: one read
         for i in np.flatnonzero(wanted):
             try:
-                images[i] = self.images[d].covering(int(rows[i]), w, h)
+                images[i] = self.images[d].covering(int(rows[i]), w, h, together.get(int(rows[i])))
             except BadImage as exc:  # unreadable source: recorded as such, replaced at load like any bad image
                 log.warning("lit-dist cache: cannot read %s (%s)", self.images[d]._path(int(rows[i])), exc)
                 unreadable[i] = True

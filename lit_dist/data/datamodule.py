@@ -72,6 +72,7 @@ class BucketDataModule(LightningDataModule):
         num_workers: int = 2,
         worker_start: Start = "auto",
         seed: int = 0,
+        shuffle_block: int = 1,
         mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
         std: tuple[float, float, float] = (0.5, 0.5, 0.5),
         max_image_pixels: int = 178_956_970,
@@ -112,6 +113,7 @@ class BucketDataModule(LightningDataModule):
             num_workers: Loader worker processes per device; 0 loads in the training process.
             worker_start: How loader workers start: auto is fork, or forkserver on Pythons whose fork can hang (docs/data.md).
             seed: Seed of the data order and random crops; the order depends only on (seed, epoch).
+            shuffle_block: Shuffle each bucket in runs of this many neighbours in the table (tar shards, Arrow files), each run read with one request; 1: sample by sample.
             mean: Per-channel mean subtracted after scaling pixels to [0, 1].
             std: Per-channel standard deviation divided by after subtracting the mean.
             max_image_pixels: Images with more pixels are refused as decompression bombs (Pillow's guard).
@@ -141,6 +143,8 @@ class BucketDataModule(LightningDataModule):
             problems.append(f"data.max_bad_fraction = {max_bad_fraction}: must be in [0, 1]")
         if not 0 <= val_fraction < 1:
             problems.append(f"data.val_fraction = {val_fraction}: must be in [0, 1)")
+        if shuffle_block < 1:
+            problems.append(f"data.shuffle_block = {shuffle_block}: must be >= 1 (1 shuffles sample by sample)")
         if num_workers < 0:
             problems.append(f"data.num_workers = {num_workers}: must be >= 0 (0 loads in the training process)")
         if worker_start not in START_METHODS:
@@ -165,6 +169,7 @@ class BucketDataModule(LightningDataModule):
         self.metadata = metadata
         self.batch_size_per_device = batch_size_per_device
         self.random_crop = random_crop
+        self.shuffle_block = shuffle_block
         self.size_conditions = size_conditions
         self.allow_oversubscription = allow_oversubscription
         self.val_fraction = val_fraction
@@ -429,7 +434,8 @@ class BucketDataModule(LightningDataModule):
                            + ", ".join(f"{r['bucket']} x{r['repeats']} ({r['samples']} samples)" for r in raised))
         weights = np.array([s.weight for s in self.sources]) if len(self.sources) > 1 else None
         return BucketBatchSampler(dataset.bucket_ids, self.batch_size_per_device, world_size, rank, self.seed,
-                                  shuffle=True, repeats=per_group, group_source=source, source_weights=weights)
+                                  shuffle=True, repeats=per_group, group_source=source, source_weights=weights,
+                                  shuffle_block=self.shuffle_block)
 
     def plan_train(self, group_ids: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray, list[dict], list[str]]:
         """Repeats per group (dataset x bucket), each group's dataset, a report row per group, and problems."""

@@ -134,8 +134,11 @@ class BucketImageDataset(torch.utils.data.Dataset):
         used = np.empty(len(indices), dtype=np.int64)
         time_ids = np.empty((len(indices), 6), dtype=np.float32) if self.sizes is not None else None
         failures = 0
+        # Images that are byte ranges of larger files, decoded here (no pixel cache): neighbours read together.
+        decoded = self.members is not None and self.load_images and "pixels" not in self.cache
+        together = self.read_together(indices) if decoded else {}
         for slot, index in enumerate(indices):
-            used[slot], failed, sample = self._load(index, epoch, width, height)
+            used[slot], failed, sample = self._load(index, epoch, width, height, together)
             failures += failed
             if images is not None:
                 images[slot] = sample.pop("image")
@@ -165,17 +168,18 @@ class BucketImageDataset(torch.utils.data.Dataset):
             batch[name] = _column_batch(column.take(at))
         return batch
 
-    def _load(self, index: int, epoch: int, width: int, height: int) -> tuple[int, int, dict]:
+    def _load(self, index: int, epoch: int, width: int, height: int, together: dict) -> tuple[int, int, dict]:
         """Sample ``index`` (its image cropped to the bucket, its cached fields), a bad one replaced by the
         next sample of its bucket. Returns the sample used, how many failed before it, and its arrays.
 
         Only a bad sample is replaced (``reading/unreadable.py``): a missing file, bytes that do not decode, a bomb,
         a missing or damaged cache entry. Anything else (a bug, a permission error, an outage) propagates.
+        ``together``: image bytes already read with their neighbours (``read_together``), by sample.
         """
         candidate, tried, last = index, [], None
         for attempt in range(_MAX_IN_A_ROW):
             try:
-                return candidate, attempt, self._sample(candidate, epoch, width, height)
+                return candidate, attempt, self._sample(candidate, epoch, width, height, together.get(candidate))
             except BadSample as exc:
                 tried.append(candidate)
                 last = exc
@@ -192,7 +196,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
             f"{self.url}: {names} (the last: {reason(last)}). So many bad ones together mean a wrong data.root, a "
             "damaged cache (lit-dist cache --check) or a damaged copy of the dataset") from last
 
-    def _sample(self, index: int, epoch: int, width: int, height: int) -> dict[str, np.ndarray]:
+    def _sample(self, index: int, epoch: int, width: int, height: int, data: bytes | None = None) -> dict[str, np.ndarray]:
         position = int(self.positions[index])
         sample, encode, crop = {}, False, None
         for key, view in self.cache.items():
@@ -207,7 +211,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
             if pixels is not None and not (self.fill is not None and pixels.shard[position] < 0):
                 covering = pixels.read(position)
             else:
-                covering = self.covering(index, width, height)
+                covering = self.covering(index, width, height, data)
                 if pixels is not None:  # ondemand: the training process writes it to the cache
                     sample["_fill_pixels"] = (position, covering)
             if self.load_images:
@@ -237,11 +241,14 @@ class BucketImageDataset(torch.utils.data.Dataset):
     def _path(self, index: int) -> str:
         return f"{self.root}/{self.filenames[int(self.positions[index])].as_py()}"
 
-    def covering(self, index: int, width: int, height: int) -> np.ndarray:
-        """Image ``index`` decoded and resized to cover (width, height) whole, uncropped: (H', W', 3) uint8.
+    def covering(self, index: int, width: int, height: int, data: bytes | None = None) -> np.ndarray:
+        """Image ``index`` decoded and resized to cover (width, height) whole, uncropped: (H', W', 3) uint8; its
+        bytes read here unless given as ``data``.
 
         This is what a pixel cache stores: the crop is left to load time, so it varies as it does without one.
         """
+        if data is not None:
+            return decode_covering(data, width, height)
         path = self._path(index)
         read = self._read_bytes if self.members is None else self._member_reader(index)
         try:  # the bytes first: an error of the storage is told apart from bytes that do not decode
@@ -264,13 +271,46 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
     def _member_reader(self, index: int):
         """Reads sample ``index``'s byte range of its file (the name before "#" in ``path``)."""
+        ranges = self._member_ranges()
+        offset, length = (int(v) for v in self.members[int(self.positions[index])])
+        return lambda path: ranges.read(path.rsplit("#", 1)[0], offset, length)
+
+    def _member_ranges(self):
         from lit_dist.reading.members import Members
 
         fs = self._open_fs()
         if self._ranges is None or self._ranges.fs is not fs:
             self._ranges = Members(fs)
-        offset, length = (int(v) for v in self.members[int(self.positions[index])])
-        return lambda path: self._ranges.read(path.rsplit("#", 1)[0], offset, length)
+        return self._ranges
+
+    def read_together(self, indices) -> dict[int, bytes]:
+        """The image bytes of the samples ``indices`` that lie near each other in one file, by sample: each run of
+        neighbours read with one request (one ranged GET instead of one a sample on an object store); {} where
+        images are files of their own. A run whose read fails leaves its samples to be read one by one, each then
+        counted or raised as its own.
+        """
+        if self.members is None:
+            return {}
+        ranges, spans = self._member_ranges(), {}
+        for index in dict.fromkeys(int(i) for i in indices):
+            offset, length = (int(v) for v in self.members[int(self.positions[index])])
+            spans.setdefault(self._path(index).rsplit("#", 1)[0], []).append((offset, length, index))
+        together = {}
+        for path, items in spans.items():
+            for start, end, run in ranges.runs(items):
+                if len(run) < 2:
+                    continue
+                try:
+                    with reading(path):
+                        data = outage.call(lambda p=path, s=start, e=end: ranges.read_upto(p, s, e - s), path,
+                                           self.outage_deadline_s, self._who)
+                except (*MISSING, PermissionError):
+                    continue
+                for offset, length, index in run:
+                    piece = data[offset - start : offset - start + length]
+                    if len(piece) == length:  # a truncated file: the samples past its end are read (and fail) alone
+                        together[index] = piece
+        return together
 
     def _offsets(self, covering_width: int, covering_height: int, width: int, height: int, epoch: int,
                  index: int) -> tuple[int, int]:

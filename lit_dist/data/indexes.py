@@ -52,7 +52,6 @@ def load_or_build(index_path: str, containers: list[Container], choices: list,
     """Make sure ``index_path`` holds the index of ``containers``; returns it. Built anew (``index_one`` per
     container, every world-th container on each rank, rank 0 writing the table) unless the one there has the
     same signature. A collective with a ``comm`` of several ranks: every rank calls it."""
-    import pyarrow as pa
 
     from lit_dist.data.discovery import publish_table
     from lit_dist.runtime.distributed import Comm
@@ -71,10 +70,26 @@ def load_or_build(index_path: str, containers: list[Container], choices: list,
         for rank, share in enumerate(shares):
             for i, part in zip(range(rank, len(containers), comm.world), share, strict=True):
                 tables[i] = part
-        table = pa.concat_tables(tables, promote_options="default")
+        table = concat(tables)
         table = table.replace_schema_metadata({SIGNATURE: wanted})
     publish_table(table, index_path, comm)
     return index_path
+
+
+def concat(tables: list) -> "pa.Table":  # noqa: F821
+    """The containers' index tables as one: a column some lack is null there, and one whose type differs between
+    them (a field of WebDataset's json members that is a number in one shard and text in another) becomes text."""
+    import pyarrow as pa
+
+    types: dict[str, set] = {}
+    for table in tables:
+        for field in table.schema:
+            types.setdefault(field.name, set()).add(field.type)
+    mixed = {name for name, seen in types.items() if len(seen - {pa.null()}) > 1}
+    if mixed:
+        tables = [t.cast(pa.schema([pa.field(f.name, pa.string()) if f.name in mixed else f for f in t.schema]))
+                  for t in tables]
+    return pa.concat_tables(tables, promote_options="default")
 
 
 def indexed_from(index_path: str) -> str | None:

@@ -59,3 +59,20 @@ def permute(positions: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
         out[outside] = encrypt(out[outside])
         outside = outside[out[outside] >= n]
     return out.astype(np.int64)
+
+
+def permute_blocks(positions: np.ndarray, n: int, block: int, key: Sequence[int]) -> np.ndarray:
+    """The elements at ``positions`` of a shuffle of range(n) that moves runs of ``block`` consecutive elements
+    together: the runs are shuffled (``permute`` over them), each keeps its order, and where they start shifts
+    with ``key`` (so the same neighbours are not grouped every time). The last, shorter run comes last."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if n == 0:
+        return positions
+    full = n // block
+    phase = int(np.random.default_rng([*key, 1]).integers(block))
+    slot, within = np.divmod(positions, block)
+    start = np.full(len(positions), full * block, dtype=np.int64)  # the shorter run's slot and place: the last
+    whole = slot < full
+    if full:
+        start[whole] = permute(slot[whole], full, key) * block
+    return (start + within + phase) % n

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 from torch.utils.data.distributed import DistributedSampler
 
-from lit_dist.data.permutation import permute
+from lit_dist.data.permutation import permute, permute_blocks
 
 
 class BucketBatchSampler(DistributedSampler):
@@ -46,6 +46,7 @@ class BucketBatchSampler(DistributedSampler):
         repeats: np.ndarray | int = 1,
         group_source: np.ndarray | None = None,
         source_weights: np.ndarray | None = None,
+        shuffle_block: int = 1,
     ):
         # DistributedSampler's own __init__ would query the process group; set what it sets instead.
         self.num_replicas = num_replicas
@@ -67,6 +68,10 @@ class BucketBatchSampler(DistributedSampler):
         per_bucket = np.asarray(repeats, dtype=np.int64)  # a scalar, or one entry per bucket id
         times = per_bucket[present] if per_bucket.ndim else np.full(len(present), int(per_bucket))
         self.repeats = times if shuffle else np.ones(len(present), dtype=np.int64)
+        # > 1: a bucket's samples are shuffled in runs of this many neighbours (rows in the table's order: a tar
+        # shard's or an Arrow file's samples lie in it side by side), so that a rank's batch is a few runs that the
+        # dataset reads with one request each instead of one request per sample.
+        self.shuffle_block = shuffle_block
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches done) of a mid-epoch checkpoint
         self._replanned: tuple[int, np.ndarray] | None = None  # (epoch, this rank's batches) after a batch change
         # After a resume that re-planned an epoch: that epoch, the parts of it trained with other global
@@ -217,9 +222,10 @@ class BucketBatchSampler(DistributedSampler):
         """This rank's slice of every global batch of bucket ``i`` in the shuffle ``key`` names: (global batches, b).
 
         A bucket's samples (``repeats`` copies of its members, each copy in its own order
-        from the seed) stand in a fixed order. The ``n % g`` samples that do not fill a
-        global batch are a window of it that moves by ``rotation`` (the epoch), so none
-        is left out for good; the rest are shuffled by ``key``.
+        from the seed, or in the table's with ``shuffle_block``) stand in a fixed order. The
+        ``n % g`` samples that do not fill a global batch are a window of it that moves by
+        ``rotation`` (the epoch), so none is left out for good; the rest are shuffled by ``key``,
+        in runs of ``shuffle_block``.
         """
         g, b = self.global_batch_size, self.batch_size_per_device
         members, group = self.members[i], int(self.groups[i])
@@ -228,6 +234,10 @@ class BucketBatchSampler(DistributedSampler):
         leftover = n % g
         batches = (n - leftover) // g
         mine = (np.arange(batches)[:, None] * g + self.rank * b + np.arange(b)).ravel()  # positions in the shuffle
+        if self.shuffle_block > 1:
+            # Every copy in the table's order: the runs of neighbours are what the shuffle moves.
+            shuffled = permute_blocks(mine, n - leftover, self.shuffle_block, (*key, group))
+            return members[(rotation * leftover + shuffled) % n % size].reshape(batches, b)
         fixed = (rotation * leftover + permute(mine, n - leftover, (*key, group))) % n  # positions in the fixed order
         copy, within = np.divmod(fixed, size)
         for c in np.unique(copy):

@@ -10,13 +10,18 @@ has a row per sample with an image (jpg, jpeg, png or webp):
   (``TarInfo.offset_data``), so that reading a sample is one ranged read and no tar is opened in a loader
   worker;
 - ``bytes``, ``mtime``: the image's length and the shard's time, the caches' identity;
-- ``caption`` (the ``txt`` member), ``label`` (``cls``, an integer).
+- ``caption`` (the ``txt`` member), ``label`` (``cls``, an integer);
+- the ``json`` member's fields whose values are text, numbers or booleans, each a column (``data.extra_columns``
+  passes them to batches): img2dataset's ``url``, ``similarity``, ``original_width``, LAION's ``aesthetic``. Its
+  ``caption`` is the sample's caption when there is no ``txt`` member. A field named as one of the columns above
+  is left out.
 
 Each shard is read once, from start to end (a stream: the same on an object store), by one rank; several ranks
 share the shards. A shard cut short keeps the samples before the cut (a warning says how many were read); a member
 that is not an image is a bad row; a shard that is not there stops the run before training (exit 3).
 """
 
+import json
 import logging
 import re
 import tarfile
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+INDEX_VERSION = 2  # what the rows hold: 2 added the json members' fields (an index of 1 is made anew)
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
 
@@ -142,6 +148,8 @@ def index_shard(root: str, shard: Container, storage_options: dict | None = None
                 elif extension == "cls":
                     text = tar.extractfile(member).read().decode("ascii", "replace").strip()
                     current["label"] = int(text) if text.lstrip("-").isdigit() else None
+                elif extension == "json":
+                    current["json"] = _fields(tar.extractfile(member).read())
                 read += 1
         except (tarfile.TarError, EOFError, OSError) as exc:  # cut short or damaged: what came before is kept
             if isinstance(exc, OSError) and not isinstance(exc, EOFError) and exc.errno is not None:
@@ -162,7 +170,44 @@ def index_shard(root: str, shard: Container, storage_options: dict | None = None
         out["caption"] = pa.array([r.get("caption") for r in rows], pa.string())
     if any("label" in r for r in rows):
         out["label"] = pa.array([r.get("label") for r in rows], pa.int64())
+    fields = [r.get("json", {}) for r in rows]
+    captions = [f.get("caption") for f in fields]
+    if any(isinstance(c, str) for c in captions):
+        given = out["caption"].to_pylist() if "caption" in out else [None] * len(rows)
+        out["caption"] = pa.array([g if g is not None else c if isinstance(c, str) else None
+                                   for g, c in zip(given, captions, strict=True)], pa.string())
+    for name in dict.fromkeys(k for f in fields for k in f):
+        if name not in out and name not in RESERVED:
+            out[name] = json_column([f.get(name) for f in fields])
     return pa.table(out)
+
+
+RESERVED = ("filename", "width", "height", "offset", "length", "bytes", "mtime", "etag", "caption", "label", "split")
+
+
+def _fields(raw: bytes) -> dict:
+    """The fields of a ``json`` member that a column can hold (text, numbers, booleans); {} when it is not an
+    object of JSON (a damaged member costs its fields, not the sample)."""
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(v, str | int | float | bool)}
+
+
+def json_column(values: list):
+    """A column of one field of the ``json`` members: booleans, numbers (as float64: a field that is 3 in one
+    sample and 3.5 in the next, or missing, stays one type in every shard) or, where the samples disagree, text."""
+    import pyarrow as pa
+
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return pa.array(values, pa.bool_())
+    if present and all(isinstance(v, int | float) and not isinstance(v, bool) for v in present):
+        return pa.array(values, pa.float64())
+    return pa.array([None if v is None else v if isinstance(v, str) else json.dumps(v) for v in values], pa.string())
 
 
 def load_or_index(shards: str | list[str], index_path: str, storage_options: dict | None = None,
@@ -170,6 +215,6 @@ def load_or_index(shards: str | list[str], index_path: str, storage_options: dic
     """Make sure ``index_path`` holds the index of ``shards``; returns ``index_path``. A collective with a ``comm``
     of several ranks (every rank calls it): each indexes every world-th shard."""
     root, containers = list_shards(shards, storage_options)
-    return load_or_build(index_path, containers, [root],
+    return load_or_build(index_path, containers, [root, INDEX_VERSION],
                          lambda shard: index_shard(root, shard, storage_options), f"the tar shards under {root}",
                          comm)

@@ -1,6 +1,7 @@
 """Samples that are byte ranges of larger files: the images of a Hugging Face dataset's Arrow files and of tar
 shards (an index row's ``offset`` and ``length``). One read per sample: ``os.pread`` on a descriptor kept open per file on a local disk,
-one ranged GET on an object store; a range past the file's end (a truncated file) is a bad sample.
+one ranged GET on an object store; a range past the file's end (a truncated file) is a bad sample. The samples of a
+batch that lie near each other in one file (``data.shuffle_block`` puts them there) are read with one request.
 """
 
 import os
@@ -9,6 +10,10 @@ from lit_dist.ckpt.files import is_local
 from lit_dist.reading.unreadable import BadImage
 
 _OPEN_LIMIT = 64  # descriptors kept open per process; the oldest is closed past it
+# Bytes between two samples that one read spans rather than making two. A request to an object store costs
+# milliseconds, which buy a megabyte of transfer; a local read only its system call, so less is skipped over there.
+GAP_BYTES = {True: 256 << 10, False: 1 << 20}
+RUN_BYTES = 64 << 20  # at most this much in one read
 
 
 class Members:
@@ -28,6 +33,25 @@ class Members:
         if len(data) != length:
             raise BadImage(f"{path} ends before this sample's bytes ({offset} + {length}): the file is truncated")
         return data
+
+    def read_upto(self, path: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of ``path`` from ``offset``: fewer where the file ends before them."""
+        if self.local:
+            return os.pread(self._fd(path), length, offset)
+        return self.fs.cat_file(path, start=offset, end=offset + length)
+
+    def runs(self, spans: list[tuple[int, int, int]]) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """``spans`` (offset, length, key) of one file grouped into what one read each fetches: (start, end, spans),
+        neighbours joined where at most ``GAP_BYTES`` lie between them and the read stays within ``RUN_BYTES``."""
+        gap, out = GAP_BYTES[self.local], []
+        for span in sorted(spans):
+            offset, length, _ = span
+            if out and offset - out[-1][1] <= gap and offset + length - out[-1][0] <= RUN_BYTES:
+                out[-1][1] = max(out[-1][1], offset + length)
+                out[-1][2].append(span)
+            else:
+                out.append([offset, offset + length, [span]])
+        return [(start, end, run) for start, end, run in out]
 
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)

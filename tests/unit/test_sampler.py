@@ -6,22 +6,24 @@ import pytest
 from lit_dist.data.sampler import BucketBatchSampler
 
 
-def epoch_batches(bucket_ids, batch, world, epoch, shuffle=True, seed=0):
+def epoch_batches(bucket_ids, batch, world, epoch, shuffle=True, seed=0, shuffle_block=1):
     out = []
     for rank in range(world):
-        sampler = BucketBatchSampler(bucket_ids, batch, world, rank, seed=seed, shuffle=shuffle)
+        sampler = BucketBatchSampler(bucket_ids, batch, world, rank, seed=seed, shuffle=shuffle,
+                                     shuffle_block=shuffle_block)
         sampler.set_epoch(epoch)
         out.append(list(sampler))
         assert len(out[-1]) == len(sampler)
     return out
 
 
+@pytest.mark.parametrize("shuffle_block", [1, 7])
 @pytest.mark.parametrize("seed", range(8))
-def test_every_rank_gets_the_same_number_of_one_bucket_batches(seed):
+def test_every_rank_gets_the_same_number_of_one_bucket_batches(seed, shuffle_block):
     rng = np.random.default_rng(seed)
     bucket_ids = rng.integers(0, rng.integers(1, 9), size=rng.integers(50, 3000))
     batch, world = int(rng.integers(1, 9)), int(rng.integers(1, 9))
-    per_rank = epoch_batches(bucket_ids, batch, world, epoch=int(rng.integers(0, 5)))
+    per_rank = epoch_batches(bucket_ids, batch, world, epoch=int(rng.integers(0, 5)), shuffle_block=shuffle_block)
     assert len({len(batches) for batches in per_rank}) == 1
     seen = Counter()
     for batches in per_rank:
@@ -41,11 +43,12 @@ def test_order_depends_only_on_seed_and_epoch():
     assert epoch_batches(bucket_ids, 4, 2, epoch=3, seed=1) != epoch_batches(bucket_ids, 4, 2, epoch=3)
 
 
-def test_leftovers_rotate_so_no_sample_is_left_out_for_good():
+@pytest.mark.parametrize("shuffle_block", [1, 4])
+def test_leftovers_rotate_so_no_sample_is_left_out_for_good(shuffle_block):
     bucket_ids = np.array([0] * 37 + [1] * 23)  # neither fills whole global batches of 8
     used = set()
     for epoch in range(12):
-        for batches in epoch_batches(bucket_ids, 4, 2, epoch):
+        for batches in epoch_batches(bucket_ids, 4, 2, epoch, shuffle_block=shuffle_block):
             for _epoch, indices, _w in batches:
                 used.update(indices)
     assert used == set(range(60))
@@ -134,13 +137,14 @@ def test_rows_grouped_by_bucket_chunk_by_chunk_equal_a_stable_sort():
     assert np.array_equal(grouped, np.argsort(ids, kind="stable"))
 
 
+@pytest.mark.parametrize("shuffle_block", [1, 16])
 @pytest.mark.parametrize("old_world,new_world", [(4, 2), (2, 4), (3, 5)])
-def test_resuming_on_another_world_size_trains_the_rest_of_the_epoch_once(old_world, new_world):
+def test_resuming_on_another_world_size_trains_the_rest_of_the_epoch_once(old_world, new_world, shuffle_block):
     ids = np.random.default_rng(0).integers(0, 5, 1000)
     b, done, epoch = 8, 7, 2
 
     def ranks(world):
-        samplers = [BucketBatchSampler(ids, b, world, r, seed=3) for r in range(world)]
+        samplers = [BucketBatchSampler(ids, b, world, r, seed=3, shuffle_block=shuffle_block) for r in range(world)]
         for s in samplers:
             s.set_epoch(epoch)
         return samplers
@@ -172,3 +176,36 @@ def test_resuming_at_an_epoch_start_with_another_world_size_plans_the_epoch_afre
     fresh = BucketBatchSampler(ids, 8, 2, 0, seed=3)
     fresh.set_epoch(4)
     assert [idx for _, idx, _ in sampler] == [idx for _, idx, _ in fresh]
+
+
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_a_shuffle_in_blocks_gives_each_batch_neighbours_and_moves_them_every_epoch(repeats):
+    # Buckets interleaved as an index of tar shards has them: a bucket's neighbours are its next rows in the table.
+    ids = np.random.default_rng(2).integers(0, 3, 5000)
+    members = [np.flatnonzero(ids == k) for k in range(3)]
+    batch, world, block = 8, 2, 16
+    firsts = []
+    for epoch in (0, 1):
+        per_rank = []
+        for rank in range(world):
+            sampler = BucketBatchSampler(ids, batch, world, rank, seed=5, repeats=repeats, shuffle_block=block)
+            sampler.set_epoch(epoch)
+            per_rank.append(list(sampler))
+        runs, batches = 0, 0
+        for plan in per_rank:
+            for _e, idx, _w in plan:
+                at = np.searchsorted(members[ids[idx[0]]], idx)  # places in the bucket's own order
+                runs += 1 + int(np.count_nonzero(np.diff(at) != 1))
+                batches += 1
+        # A batch is one run of neighbours but where a block wraps round the bucket's end (once an epoch a bucket).
+        assert runs <= batches + 3 * repeats + 3
+        firsts.append([idx for _e, idx, _w in per_rank[0]])
+    assert firsts[0] != firsts[1], "the blocks are shuffled anew every epoch"
+    whole = [i for idx in firsts[0] for i in idx]
+    assert Counter(Counter(whole).values()).keys() <= set(range(1, repeats + 1))
+
+
+def test_a_shuffle_in_blocks_of_one_is_the_plain_shuffle():
+    ids = np.random.default_rng(4).integers(0, 4, 700)
+    assert epoch_batches(ids, 4, 2, epoch=1, shuffle_block=1) == epoch_batches(ids, 4, 2, epoch=1)
+    assert epoch_batches(ids, 4, 2, epoch=1, shuffle_block=8) != epoch_batches(ids, 4, 2, epoch=1)

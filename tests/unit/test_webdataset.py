@@ -38,16 +38,22 @@ def test_brace_patterns_expand_as_webdataset_s_do():
     assert common_root(["/d/a/0.tar", "/d/b/1.tar"]) == "/d" and common_root(["s3://b/s/0.tar"]) == "s3://b/s"
 
 
-def test_shards_give_the_batches_their_images_give_as_files(shapes, tmp_path):
+@pytest.mark.parametrize("shuffle_block", [1, 4])
+def test_shards_give_the_batches_their_images_give_as_files(shapes, tmp_path, monkeypatch, shuffle_block):
     save_shapes(str(shapes), tmp_path / "tars", per_shard=30)
-    files = BucketDataModule(metadata=str(shapes), val_fraction=0.0, **SETTINGS)
+    files = BucketDataModule(metadata=str(shapes), val_fraction=0.0, shuffle_block=shuffle_block, **SETTINGS)
     files.setup("fit")
     tars = BucketDataModule(webdataset=str(tmp_path / "tars" / "{00000..00003}.tar"), val_fraction=0.0,
-                            index_cache=str(tmp_path / "index.parquet"), **SETTINGS)
+                            index_cache=str(tmp_path / "index.parquet"), shuffle_block=shuffle_block, **SETTINGS)
     tars.prepare_data()
     tars.setup("fit")
+    reads = []
+    pread = os.pread
+    monkeypatch.setattr("lit_dist.reading.members.os.pread", lambda *a: reads.append(a) or pread(*a))
     ours, theirs = list(tars.train_dataloader()), list(files.train_dataloader())
     assert len(ours) == len(theirs) > 0
+    if shuffle_block > 1:  # a batch of 4 neighbours is one read, two where it crosses into the next shard
+        assert len(reads) <= 1.5 * len(ours), f"{len(reads)} reads for {len(ours)} batches of 4"
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
         assert a["caption"] == b["caption"]
@@ -99,7 +105,8 @@ def test_a_missing_shard_is_a_data_error_before_training(shapes, tmp_path):
         dm.prepare_data()
 
 
-def test_cut_shards_and_members_that_are_not_images_are_counted(shapes, tmp_path, caplog):
+@pytest.mark.parametrize("shuffle_block", [1, 4])
+def test_cut_shards_and_members_that_are_not_images_are_counted(shapes, tmp_path, caplog, shuffle_block):
     paths = save_shapes(str(shapes), tmp_path / "tars", per_shard=48)
     with tarfile.open(paths[0], "a") as tar:  # a sample whose image is text
         info = tarfile.TarInfo("zzz.png")
@@ -109,7 +116,8 @@ def test_cut_shards_and_members_that_are_not_images_are_counted(shapes, tmp_path
         f.truncate(os.path.getsize(paths[1]) // 2 + 100)
     pattern = str(tmp_path / "tars" / "{00000..00001}.tar")
     with caplog.at_level(logging.WARNING, logger="lit_dist.data.webdataset"):
-        dm = BucketDataModule(webdataset=pattern, index_cache=str(tmp_path / "index.parquet"), **SETTINGS)
+        dm = BucketDataModule(webdataset=pattern, index_cache=str(tmp_path / "index.parquet"),
+                              shuffle_block=shuffle_block, **SETTINGS)
         dm.prepare_data()
         dm.setup("fit")
     assert any("00001.tar is damaged after its first" in r.getMessage() for r in caplog.records), caplog.text
@@ -138,3 +146,34 @@ def test_a_pixel_cache_builds_from_shards_and_gives_their_batches(shapes, tmp_pa
     assert cached._cache_views is not None, "no cache opened"
     for a, b in zip(plain.train_dataloader(), cached.train_dataloader(), strict=True):
         assert torch.equal(a["image"], b["image"])
+
+
+def test_json_members_give_columns_and_the_caption_a_shard_without_txt_lacks(shapes, tmp_path):
+    import json
+
+    paths = save_shapes(str(shapes), tmp_path / "tars", per_shard=48, json=True)
+    save_shapes(str(shapes), tmp_path / "bare", per_shard=48, json=True, txt=False)
+    os.replace(tmp_path / "bare" / "00001.tar", paths[1])  # the second shard's captions are in its json only
+    with tarfile.open(paths[0], "a") as tar:  # a field that is text here and a number in the other shard
+        data = json.dumps({"similarity": "high", "caption": "ignored: this sample has a txt"}).encode()
+        for name, body in (("zzz.png", open(shapes.parent / pq.read_table(shapes)["filename"][0].as_py(), "rb").read()),
+                           ("zzz.txt", b"a txt caption"), ("zzz.cls", b"0"), ("zzz.json", data)):
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, __import__("io").BytesIO(body))
+    dm = BucketDataModule(webdataset=str(tmp_path / "tars" / "{00000..00001}.tar"), val_fraction=0.0,
+                          index_cache=str(tmp_path / "index.parquet"), extra_columns=["caption", "url", "similarity"],
+                          **SETTINGS)
+    dm.prepare_data()
+    dm.setup("fit")
+    index = pq.read_table(tmp_path / "index.parquet")
+    assert {"url", "similarity", "original_width", "status"} <= set(index.column_names)
+    assert "exif" not in index.column_names and "key" in index.column_names  # null fields make no column
+    rows = {r["filename"]: r for r in index.to_pylist()}
+    table = pq.read_table(shapes).to_pylist()
+    assert rows["00001.tar#sample000050"]["caption"] == table[50]["caption"], "the json's caption, no txt there"
+    assert rows["00000.tar#zzz"]["caption"] == "a txt caption" and rows["00000.tar#zzz"]["similarity"] == "high"
+    assert rows["00000.tar#sample000003"]["similarity"] == "0.35", "a number in one shard, text in another: text"
+    batch = next(iter(dm.train_dataloader()))
+    assert all(u.startswith("https://example.com/sample") or u is None for u in batch["url"]), batch["url"]
+    assert len(batch["similarity"]) == 4 and all(c for c in batch["caption"])
