@@ -11,6 +11,7 @@ import time
 from urllib.parse import urlparse
 
 import pytest
+import torch
 
 from lit_dist.errors import ExitCode
 from tests.conftest import CONFIGS, REPO
@@ -140,6 +141,39 @@ def test_a_cache_on_s3_waits_out_an_outage_and_then_says_retry_later(s3, demo_da
         view.outage_deadline_s = 3.0  # what data.outage_deadline_s: 3 gives a view (checked above: 180 by default)
         with pytest.raises(StoreUnreachable, match=r"the object store did not answer .* \(cache field pixels\)"):
             view.read(18)
+    finally:
+        proxy.close()
+
+
+def test_tar_shards_read_in_runs_wait_out_an_outage_and_then_say_retry_later(s3, demo_data, tmp_path):
+    from lit_dist.data.datamodule import BucketDataModule
+    from lit_dist.runtime.outage import StoreUnreachable
+    from tests.helpers.tar_shards import save_shapes
+
+    save_shapes(str(demo_data), tmp_path / "tars", per_shard=200)
+    s3.put(str(tmp_path / "tars"), f"{s3.bucket}/tars", recursive=True)
+    endpoint = urlparse(s3.endpoint)
+    proxy = TcpProxy((endpoint.hostname, endpoint.port))
+    try:
+        dm = BucketDataModule(webdataset=f"s3://{s3.bucket}/tars/{{00000..00001}}.tar", resolution=32,
+                              batch_size_per_device=8, shuffle_block=8, num_workers=0, node_index_dir=None,
+                              index_cache=str(tmp_path / "index.parquet"), cache=None,
+                              storage_options={"client_kwargs": {"endpoint_url": proxy.url}, **QUICK})
+        dm.prepare_data()
+        dm.setup("fit")
+        dataset = dm._splits["train"]
+        request = next(iter(dm.train_dataloader().sampler))  # (epoch, a batch of 8 neighbours, weight)
+        expected = dataset[request]
+        proxy.cut()
+        started = time.monotonic()
+        with restored_on(proxy):  # once the read has waited twice (1 s, 2 s)
+            again = dataset[request]
+        assert time.monotonic() - started >= WAITED_TWICE_S
+        assert torch.equal(again["image"], expected["image"]) and int(again["bad_samples"]) == 0
+        proxy.cut()
+        dataset.outage_deadline_s = 3.0
+        with pytest.raises(StoreUnreachable, match=r"the object store did not answer .*\.tar"):
+            dataset[request]
     finally:
         proxy.close()
 

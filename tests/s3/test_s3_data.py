@@ -82,8 +82,10 @@ def test_a_container_source_on_s3_gives_the_local_index_and_batches(layout, s3, 
     batches, indexes = [], []
     for i, (where, opts) in enumerate(((str(tmp_path / "data"), None), (f"s3://{s3.bucket}/data", options))):
         index = str(tmp_path / f"index-{i}.parquet")
+        # Shards in blocks: a batch is a run of a shard's neighbours, read with one ranged GET.
         dm = BucketDataModule(**{layout: where + name}, index_cache=index, resolution=32, batch_size_per_device=4,
-                              num_workers=0, storage_options=opts, node_index_dir=None)
+                              num_workers=0, storage_options=opts, node_index_dir=None,
+                              shuffle_block=4 if layout == "webdataset" else 1)
         dm.prepare_data()
         dm.setup("fit")
         batches.append(list(dm.train_dataloader())[:5])
