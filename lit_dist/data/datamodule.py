@@ -432,6 +432,11 @@ class BucketDataModule(LightningDataModule):
         if raised:
             rank_zero_warn("lit-dist: allow_oversubscription repeats small buckets: "
                            + ", ".join(f"{r['bucket']} x{r['repeats']} ({r['samples']} samples)" for r in raised))
+        remote = [s.image_root for s in self.sources if s.containers and "://" in s.image_root]
+        if remote and self.shuffle_block == 1 and self._cache_views is None:  # every image decoded, every epoch
+            rank_zero_info(f"lit-dist: the images under {remote[0]} are read with one request each; "
+                           f"data.shuffle_block: {self.batch_size_per_device} reads a batch's neighbours in a file with "
+                           "one (docs/data.md, Buckets and batches)")
         weights = np.array([s.weight for s in self.sources]) if len(self.sources) > 1 else None
         return BucketBatchSampler(dataset.bucket_ids, self.batch_size_per_device, world_size, rank, self.seed,
                                   shuffle=True, repeats=per_group, group_source=source, source_weights=weights,

@@ -1,6 +1,7 @@
 """The same data through S3 as through the local disk: tables, discovery, batches, a training run."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_fit_reads_its_data_from_s3(remote_demo, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["hf_dataset", "webdataset"])
-def test_a_container_source_on_s3_gives_the_local_index_and_batches(layout, s3, demo_data, tmp_path):
+def test_a_container_source_on_s3_gives_the_local_index_and_batches(layout, s3, demo_data, tmp_path, caplog):
     """A save_to_disk folder or tar shards on the store: indexed from it (each file read once), the same table as
     the local copy's but for the files' times, and each image read as one ranged GET of its file."""
     import pyarrow.parquet as pq
@@ -88,8 +89,12 @@ def test_a_container_source_on_s3_gives_the_local_index_and_batches(layout, s3, 
                               shuffle_block=4 if layout == "webdataset" else 1)
         dm.prepare_data()
         dm.setup("fit")
-        batches.append(list(dm.train_dataloader())[:5])
+        with caplog.at_level(logging.INFO):
+            batches.append(list(dm.train_dataloader())[:5])
         indexes.append(pq.read_table(index).drop_columns(["mtime"]))
     assert indexes[0].equals(indexes[1]) and indexes[0].num_rows == 400
+    # Read sample by sample from the store, a run is told of data.shuffle_block; in blocks it is not.
+    hinted = [r for r in caplog.records if "data.shuffle_block: 4 reads a batch's neighbours" in r.getMessage()]
+    assert len(hinted) == (1 if layout == "hf_dataset" else 0), [r.getMessage() for r in caplog.records]
     for local, remote in zip(*batches, strict=True):
         assert torch.equal(local["image"], remote["image"]) and local["caption"] == remote["caption"]
