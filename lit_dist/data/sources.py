@@ -84,6 +84,20 @@ class DatasetSource:
         return self.index_cache or default_cache_path(self.scan_root)
 
     @property
+    def described(self) -> str:
+        """What the rows come from, for a user: the table, or the source and the index lit-dist keeps of it."""
+        if self.metadata is not None:
+            return self.metadata
+        if self.webdataset is not None:
+            shards = self.webdataset if isinstance(self.webdataset, str) else ", ".join(self.webdataset)
+            what = f"the tar shards {shards}"
+        elif self.hf_dataset is not None:
+            what = f"the Hugging Face dataset {self.hf_dataset}"
+        else:
+            what = f"the folder {self.scan_root}"
+        return f"{what} (index {self.table_path})"
+
+    @property
     def image_root(self) -> str:
         if self.root is not None:
             return self.root

@@ -23,6 +23,9 @@ def test_the_t2i_quickstart_trains_from_its_caption_cache_and_samples_a_grid(tmp
     shards = ["--data.metadata", "null", "--data.create_demo_if_missing", "false",
               "--data.webdataset", str(tmp_path / "tars" / "{00000..00003}.tar"),
               "--data.index_cache", str(tmp_path / "index.parquet"), "--data.shuffle_block", "32"]
+    out = lit_dist("plan", *T2I, *shards, "--data.allow_oversubscription", "true")  # indexes the shards, once
+    assert out.returncode == 0 and "no problems found" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert f"400 usable rows of the tar shards {tmp_path / 'tars'}" in out.stdout, out.stdout
     prompts = ["a red circle on a white background", "a blue cross on a yellow background"]
     out = lit_dist("fit", *T2I, *shards, "--data.cache.dir", str(tmp_path / "cache"),
                    "--run.root_dir", str(tmp_path), "--run.run_id", "r", "--trainer.max_epochs", "3",

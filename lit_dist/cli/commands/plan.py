@@ -84,7 +84,7 @@ def _plan_data(data, world: int, accumulate: int, trainer, lines: list[str],
         counts = [int((splits == code).sum()) for code in range(3)]
         name = f"dataset {i} " if len(parts) > 1 else "data        "
         weight = f", weight {source.weight:g}" if len(parts) > 1 else ""
-        lines.append(f"{name}        {len(meta)} usable rows of {shown or source.table_path}: {counts[0]} train, {counts[1]} val, "
+        lines.append(f"{name}        {len(meta)} usable rows of {shown or source.described}: {counts[0]} train, {counts[1]} val, "
                      f"{counts[2]} test; {meta.bad.total} bad rows skipped{weight}")
         if meta.bad.total:
             lines.append(f"bad rows            {meta.bad.summary()}")
