@@ -350,7 +350,10 @@ def _dispatch(argv: list[str]) -> int | None:
     if not command.run_config:
         from jsonargparse import CLI
 
-        CLI(function, args=argv[1:], prog=prog, exit_on_error=False)
+        args = argv[1:]
+        if command.positional and args and not args[0].startswith("-"):
+            args = [f"--{command.positional}", *args]
+        CLI(function, args=args, prog=prog, exit_on_error=False)
         return int(ExitCode.OK)
     # The command's own flags, its parameters after `cli`, parsed by jsonargparse from its signature.
     own, rest = _own_flags(function, argv[1:])

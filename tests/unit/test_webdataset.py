@@ -177,3 +177,22 @@ def test_json_members_give_columns_and_the_caption_a_shard_without_txt_lacks(sha
     batch = next(iter(dm.train_dataloader()))
     assert all(u.startswith("https://example.com/sample") or u is None for u in batch["url"]), batch["url"]
     assert len(batch["similarity"]) == 4 and all(c for c in batch["caption"])
+
+
+@pytest.mark.process
+def test_lit_dist_index_makes_the_index_a_run_then_uses_as_it_is(shapes, tmp_path):
+    from tests.conftest import lit_dist
+
+    save_shapes(str(shapes), tmp_path / "tars", per_shard=40)
+    pattern, index = str(tmp_path / "tars" / "{00000..00002}.tar"), tmp_path / "index.parquet"
+    out = lit_dist("index", "--webdataset", pattern, "--output", str(index))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"lit-dist index: 96 samples of the tar shards {pattern} -> {index}" in out.stdout, out.stdout
+    made = os.stat(index).st_mtime_ns
+    dm = BucketDataModule(webdataset=pattern, index_cache=str(index), **SETTINGS)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert os.stat(index).st_mtime_ns == made, "the run indexed the shards again"
+    both = lit_dist("index", str(tmp_path), "--webdataset", pattern)
+    assert both.returncode == 2 and "lit-dist index takes one dataset" in both.stderr, both.stderr[-2000:]
+    assert "Traceback" not in both.stderr

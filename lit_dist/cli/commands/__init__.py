@@ -19,6 +19,9 @@ class Command:
     target: str  # "module:function"
     help: str  # its line in `lit-dist --help`
     run_config: bool = False  # takes the run config like fit; else its signature is its arguments
+    # A parameter with a default that may also come first without its flag (``lit-dist index ROOT``): jsonargparse
+    # makes only parameters without a default positional, and this one is optional (``--webdataset`` instead).
+    positional: str | None = None
 
     def function(self):
         module, name = self.target.split(":")
@@ -36,7 +39,8 @@ LIGHTNING = {
 COMMANDS = {
     "plan": Command("lit_dist.cli.commands.plan:plan", "check a run before it starts: world size, batches, learning rate, "
                     "buckets, problems (no GPU)", run_config=True),
-    "index": Command("lit_dist.cli.commands.index:index", "index a folder of images into a parquet metadata table"),
+    "index": Command("lit_dist.cli.commands.index:index", "index a folder of images into a parquet metadata table, or "
+                     "tar shards or a Hugging Face dataset into a run's index", positional="root"),
     "export": Command("lit_dist.cli.commands.export:export", "write any checkpoint's network: a diffusers folder, safetensors or a state_dict"),
     "report": Command("lit_dist.cli.commands.report:report", "summarise a run directory, finished or running: state, ETA, "
                       "metrics, throughput, goodput, restarts, checkpoints (--plot report.png)"),
