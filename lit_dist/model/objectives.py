@@ -113,8 +113,16 @@ class Generative(Objective):
 
     def __init__(self, condition: Literal["caption", "label", "none"], condition_key: str | None,
                  condition_dropout: float, null_label: int | None, timesteps: str, logit_mean: float,
-                 logit_std: float, eval_timesteps: int, eval_seed: int):
+                 logit_std: float, eval_timesteps: int, eval_seed: int, noise_offset: float = 0.0,
+                 noise_offset_probability: float = 1.0, input_perturbation: float = 0.0):
         problems = []
+        if noise_offset < 0:
+            problems.append(f"model.objective.noise_offset = {noise_offset}: must be >= 0 (0: none; 0.05-0.1 usual)")
+        if not 0 <= noise_offset_probability <= 1:
+            problems.append(f"model.objective.noise_offset_probability = {noise_offset_probability}: must be in [0, 1]")
+        if input_perturbation < 0:
+            problems.append(f"model.objective.input_perturbation = {input_perturbation}: must be >= 0 (0: none; 0.1 "
+                            "usual)")
         if condition not in ("caption", "label", "none"):
             problems.append(f"model.objective.condition = {condition!r}: must be caption, label or none")
         if not 0.0 <= condition_dropout < 1.0:
@@ -133,6 +141,8 @@ class Generative(Objective):
         self.condition_key = condition_key
         self.timesteps, self.logit_mean, self.logit_std = timesteps, logit_mean, logit_std
         self.eval_timesteps, self.eval_seed = eval_timesteps, eval_seed
+        self.noise_offset, self.noise_offset_probability = noise_offset, noise_offset_probability
+        self.input_perturbation = input_perturbation
 
     def bind(self, input_key, target_key):
         super().bind(input_key, target_key)
@@ -170,12 +180,26 @@ class Generative(Objective):
         cond = self.condition_of(batch, train)
         if train:
             t = self.sample_t(len(x0), x0.device)
-            noise = torch.randn_like(x0)
-            per_sample = self.per_sample_loss(net, x0, noise, t, cond)
+            noise, noised_with = self.training_noise(x0)
+            per_sample = self.per_sample_loss(net, x0, noise, t, cond, noised_with)
             return per_sample.mean(), {}
         # Evaluation: the same timesteps and noises for every sample at every validation (as torchtitan's
         # Flux does), so that the number compares across runs, resumes and world sizes.
         return self.fixed_losses(net, x0, cond, batch.get("row")).mean(), {}
+
+    def training_noise(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the noise the target is made of, the noise the input is noised with, None where it is the same), drawn
+        as diffusers' train_text_to_image.py draws them: the noise, plus ``noise_offset`` x a normal per sample and
+        channel (in a ``noise_offset_probability`` share of batches, as SimpleTuner's); the input's noise that plus
+        ``input_perturbation`` x another normal. Off (both 0), one draw, as ever: a run is bitwise the same."""
+        noise = torch.randn_like(x0)
+        if self.noise_offset and (self.noise_offset_probability == 1
+                                  or torch.rand((), device=x0.device) < self.noise_offset_probability):
+            shape = (*x0.shape[:2], *[1] * (x0.dim() - 2))  # one value per sample and channel
+            noise = noise + self.noise_offset * torch.randn(shape, device=x0.device).to(x0.dtype)
+        if not self.input_perturbation:
+            return noise, None
+        return noise, noise + self.input_perturbation * torch.randn_like(noise)
 
     def fixed_losses(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:
         """(B,) losses, each the mean over ``eval_timesteps`` evenly spaced times, with one noise per sample seeded
@@ -188,8 +212,9 @@ class Generative(Objective):
     def eval_noise(self, like: torch.Tensor, row: int) -> torch.Tensor:
         return seeded_normal(tuple(like.shape), self.eval_seed, row).to(like)
 
-    def per_sample_loss(self, net, x0, noise, t, cond) -> torch.Tensor:
-        """(B,) losses at times ``t`` in (0, 1)."""
+    def per_sample_loss(self, net, x0, noise, t, cond, noised_with=None) -> torch.Tensor:
+        """(B,) losses at times ``t`` in (0, 1); the input noised with ``noised_with`` where given (input
+        perturbation), the target made of ``noise``."""
         raise NotImplementedError
 
     def predict(self, net, batch):
@@ -215,7 +240,8 @@ class FlowMatching(Generative):
                  timesteps: Literal["uniform", "logit_normal"] = "logit_normal", logit_mean: float = 0.0,
                  logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0, shift: float = 1.0,
                  dynamic_shift: bool = False, base_shift: float = 0.5, max_shift: float = 1.15,
-                 base_image_seq_len: int = 256, max_image_seq_len: int = 4096):
+                 base_image_seq_len: int = 256, max_image_seq_len: int = 4096, noise_offset: float = 0.0,
+                 noise_offset_probability: float = 1.0, input_perturbation: float = 0.0):
         """Train a denoiser by flow matching.
 
         Args:
@@ -235,9 +261,12 @@ class FlowMatching(Generative):
             max_shift: mu at max_image_seq_len tokens (dynamic_shift).
             base_image_seq_len: Tokens at which mu is base_shift (dynamic_shift).
             max_image_seq_len: Tokens at which mu is max_shift (dynamic_shift).
+            noise_offset: Add this x a normal per sample and channel to the training noise (offset noise: images of other overall brightness; 0.05-0.1 usual).
+            noise_offset_probability: Share of training batches given the noise offset (SimpleTuner's noise_offset_probability).
+            input_perturbation: Noise the input with the noise plus this x another normal, the target keeping the noise (Ning et al. 2023; 0.1 usual).
         """
         super().__init__(condition, condition_key, condition_dropout, null_label, timesteps, logit_mean, logit_std,
-                         eval_timesteps, eval_seed)
+                         eval_timesteps, eval_seed, noise_offset, noise_offset_probability, input_perturbation)
         problems = []
         if shift <= 0:
             problems.append(f"model.objective.shift = {shift}: must be positive (1: no shift)")
@@ -267,10 +296,10 @@ class FlowMatching(Generative):
             return self.shift * t / (1 + (self.shift - 1) * t)
         return t
 
-    def per_sample_loss(self, net, x0, noise, t, cond):
+    def per_sample_loss(self, net, x0, noise, t, cond, noised_with=None):
         t = self.noise_level(t, x0)
         tt = t.view(-1, *[1] * (x0.dim() - 1)).to(x0.dtype)
-        x_t = (1 - tt) * x0 + tt * noise
+        x_t = (1 - tt) * x0 + tt * (noise if noised_with is None else noised_with)
         pred = denoise(net, x_t, t * 1000, cond)  # diffusers' timestep scale (SD3: sigma x 1000)
         return _mse(pred, noise - x0)
 
@@ -285,7 +314,8 @@ class Diffusion(Generative):
                  condition_dropout: float = 0.1, null_label: int | None = None,
                  timesteps: Literal["uniform", "logit_normal"] = "uniform", logit_mean: float = 0.0,
                  logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0, beta_start: float = 0.0001,
-                 beta_end: float = 0.02, rescale_betas_zero_snr: bool = False):
+                 beta_end: float = 0.02, rescale_betas_zero_snr: bool = False, noise_offset: float = 0.0,
+                 noise_offset_probability: float = 1.0, input_perturbation: float = 0.0):
         """Train a denoiser by diffusion.
 
         Args:
@@ -306,9 +336,12 @@ class Diffusion(Generative):
             beta_end: The schedule's last beta (Stable Diffusion's scheduler: 0.012).
             rescale_betas_zero_snr: Rescale the schedule so that its last step is pure noise (Lin et al. 2023; needs
                 v_prediction): an image's overall colour then comes from the caption, not from the noise.
+            noise_offset: Add this x a normal per sample and channel to the training noise (offset noise: images of other overall brightness; 0.05-0.1 usual).
+            noise_offset_probability: Share of training batches given the noise offset (SimpleTuner's noise_offset_probability).
+            input_perturbation: Noise the input with the noise plus this x another normal, the target keeping the noise (Ning et al. 2023; 0.1 usual).
         """
         super().__init__(condition, condition_key, condition_dropout, null_label, timesteps, logit_mean, logit_std,
-                         eval_timesteps, eval_seed)
+                         eval_timesteps, eval_seed, noise_offset, noise_offset_probability, input_perturbation)
         problems = []
         if not 0 < beta_start < beta_end < 1:
             problems.append(f"model.objective.beta_start = {beta_start}, beta_end = {beta_end}: need "
@@ -333,14 +366,14 @@ class Diffusion(Generative):
         self.prediction, self.snr_gamma, self.num_train_timesteps = prediction, snr_gamma, num_train_timesteps
         self._alphas_cumprod = self.scheduler.alphas_cumprod  # moved to the batches' device once, not every step
 
-    def per_sample_loss(self, net, x0, noise, t, cond):
+    def per_sample_loss(self, net, x0, noise, t, cond, noised_with=None):
         steps = (t * self.num_train_timesteps).long().clamp_(0, self.num_train_timesteps - 1)
         if self._alphas_cumprod.device != x0.device:
             self._alphas_cumprod = self._alphas_cumprod.to(x0.device)
         alphas = self._alphas_cumprod[steps]  # (B,) float32
         a = alphas.sqrt().view(-1, *[1] * (x0.dim() - 1))
         s = (1 - alphas).sqrt().view(-1, *[1] * (x0.dim() - 1))
-        x_t = (a * x0.float() + s * noise.float()).to(x0.dtype)
+        x_t = (a * x0.float() + s * (noise if noised_with is None else noised_with).float()).to(x0.dtype)
         target = noise if self.prediction == "epsilon" else a * noise.float() - s * x0.float()
         losses = _mse(denoise(net, x_t, steps.float(), cond), target)
         if self.snr_gamma is None:

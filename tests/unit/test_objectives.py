@@ -314,3 +314,58 @@ def test_evaluation_noises_differ_within_a_batch_without_rows():
     objective.fixed_losses(net, torch.zeros(3, 2, 4, 4), None, rows=None)
     noises = seen[0]  # at t = 1 / (2 x eval_timesteps) with x0 = 0: x_t is the noise times t
     assert not torch.equal(noises[0], noises[1]) and not torch.equal(noises[1], noises[2])
+
+
+@pytest.mark.parametrize("kind", ["diffusion", "flow"])
+def test_noise_offset_and_input_perturbation_follow_diffusers_train_text_to_image(kind):
+    from diffusers import DDPMScheduler
+
+    make = Diffusion if kind == "diffusion" else FlowMatching
+    objective, net = bound(make(condition="none", noise_offset=0.1, input_perturbation=0.1)), Recorder()
+    x0 = batch()["image"]
+    torch.manual_seed(3)
+    noise, noised_with = objective.training_noise(x0)
+    torch.manual_seed(3)  # the script's own lines, in its order of draws
+    reference = torch.randn_like(x0)
+    reference += 0.1 * torch.randn((x0.shape[0], x0.shape[1], 1, 1), device=x0.device)
+    new_noise = reference + 0.1 * torch.randn_like(reference)
+    assert torch.equal(noise, reference) and torch.equal(noised_with, new_noise)
+    # The input is noised with the perturbed noise; the target is still made of the noise.
+    t = torch.tensor([0.1, 0.4, 0.7, 0.95])
+    if kind == "diffusion":
+        steps = (t * 1000).long()
+        net.prediction = noise
+        expected_input = DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear").add_noise(
+            x0, new_noise, steps)
+    else:
+        net.prediction = noise - x0
+        expected_input = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * new_noise
+    assert torch.allclose(objective.per_sample_loss(net, x0, noise, t, None, noised_with), torch.zeros(4), atol=1e-10)
+    torch.testing.assert_close(net.calls[0][0], expected_input)
+
+
+def test_the_noise_knobs_off_draw_what_a_run_without_them_draws():
+    x0 = batch()["image"]
+    plain = bound(Diffusion(condition="none"))
+    torch.manual_seed(5)
+    noise, noised_with = plain.training_noise(x0)
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(noise, torch.randn_like(x0)) and noised_with is None
+    assert torch.equal(after, torch.rand(3)), "an extra draw would change every later step of a run"
+
+
+def test_the_noise_offset_comes_in_its_share_of_batches_and_is_one_value_per_sample_and_channel():
+    objective = bound(FlowMatching(condition="none", noise_offset=0.5, noise_offset_probability=0.25))
+    x0 = torch.zeros(2, 3, 16, 16)
+    offsets = 0
+    torch.manual_seed(0)
+    for _ in range(400):
+        noise, _ = objective.training_noise(x0)
+        means = noise.mean((2, 3))  # the offset moves a whole channel; a plain normal's channel mean is ~0 +- 0.06
+        offsets += bool((means.abs() > 0.2).any())
+    assert 0.15 < offsets / 400 < 0.35, offsets
+    for bad, field in ((dict(noise_offset=-1), "noise_offset"), (dict(noise_offset_probability=2), "probability"),
+                       (dict(input_perturbation=-0.1), "input_perturbation")):
+        with pytest.raises(ConfigError, match=field):
+            FlowMatching(**bad)

@@ -35,6 +35,23 @@ def test_resume_matches_an_uninterrupted_run_bitwise(tmp_path, demo_data, where)
         assert torch.equal(a, b), f"{name} differs after resume"
 
 
+@pytest.mark.parametrize("kind", ["flow", "diffusion"])
+def test_a_generative_run_with_noise_offset_and_input_perturbation_resumes_bitwise(tmp_path, demo_data, kind):
+    from lit_dist.model.objectives import Diffusion, FlowMatching
+
+    def objective():  # labels as the condition (null label 4 for the dropped ones): draws of every kind each step
+        knobs = dict(condition="label", null_label=4, noise_offset=0.1, noise_offset_probability=0.5,
+                     input_perturbation=0.1)
+        return FlowMatching(**knobs) if kind == "flow" else Diffusion(**knobs)
+
+    stop, end = 5, 9
+    straight, _, _ = run(tmp_path / "a", demo_data, max_steps=end, objective=objective())
+    run(tmp_path / "b", demo_data, max_steps=end, stop=stop, objective=objective())
+    resumed, _, _ = run(tmp_path / "b", demo_data, max_steps=end, resume=True, objective=objective())
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), f"{name} differs after resume"
+
+
 def test_without_the_saved_random_state_dropout_would_differ(tmp_path, demo_data):
     # The counter-check of the test above: the RNG state in the checkpoint is what makes it pass.
     per_epoch = steps_per_epoch(demo_data)
