@@ -456,7 +456,8 @@ class LitModel(LightningModule):
         totals = self.trainer.strategy.reduce(self._eval_sums, reduce_op="sum")
         means = totals[:-1] / totals[-1].clamp_min(1)
         for name, value in zip(self._eval_names, means, strict=True):
-            self.log(f"{prefix}/{name}", value, prog_bar=name != "loss")  # same value on every rank
+            # The same value on every rank. The loss and its bands (loss_t...) stay out of the progress bar.
+            self.log(f"{prefix}/{name}", value, prog_bar=not name.startswith("loss"))
         self._eval_sums = None
 
     @contextmanager

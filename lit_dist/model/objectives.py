@@ -114,8 +114,11 @@ class Generative(Objective):
     def __init__(self, condition: Literal["caption", "label", "none"], condition_key: str | None,
                  condition_dropout: float, null_label: int | None, timesteps: str, logit_mean: float,
                  logit_std: float, eval_timesteps: int, eval_seed: int, noise_offset: float = 0.0,
-                 noise_offset_probability: float = 1.0, input_perturbation: float = 0.0):
+                 noise_offset_probability: float = 1.0, input_perturbation: float = 0.0, eval_bands: int = 4):
         problems = []
+        if eval_bands == 1 or not 0 <= eval_bands <= eval_timesteps:
+            problems.append(f"model.objective.eval_bands = {eval_bands}: must be 0 (none) or 2 to eval_timesteps "
+                            f"({eval_timesteps})")
         if noise_offset < 0:
             problems.append(f"model.objective.noise_offset = {noise_offset}: must be >= 0 (0: none; 0.05-0.1 usual)")
         if not 0 <= noise_offset_probability <= 1:
@@ -142,7 +145,7 @@ class Generative(Objective):
         self.timesteps, self.logit_mean, self.logit_std = timesteps, logit_mean, logit_std
         self.eval_timesteps, self.eval_seed = eval_timesteps, eval_seed
         self.noise_offset, self.noise_offset_probability = noise_offset, noise_offset_probability
-        self.input_perturbation = input_perturbation
+        self.input_perturbation, self.eval_bands = input_perturbation, eval_bands
 
     def bind(self, input_key, target_key):
         super().bind(input_key, target_key)
@@ -185,7 +188,8 @@ class Generative(Objective):
             return per_sample.mean(), {}
         # Evaluation: the same timesteps and noises for every sample at every validation (as torchtitan's
         # Flux does), so that the number compares across runs, resumes and world sizes.
-        return self.fixed_losses(net, x0, cond, batch.get("row")).mean(), {}
+        per_time = self.losses_by_time(net, x0, cond, batch.get("row"))
+        return (sum(per_time) / self.eval_timesteps).mean(), self.band_losses(per_time)
 
     def training_noise(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the noise the target is made of, the noise the input is noised with, None where it is the same), drawn
@@ -204,10 +208,23 @@ class Generative(Objective):
     def fixed_losses(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:
         """(B,) losses, each the mean over ``eval_timesteps`` evenly spaced times, with one noise per sample seeded
         by its metadata row (by its place in the batch where the batches have no rows)."""
+        return sum(self.losses_by_time(net, x0, cond, rows)) / self.eval_timesteps
+
+    def losses_by_time(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None) -> list[torch.Tensor]:
+        """(B,) losses at each of the ``eval_timesteps`` evenly spaced times (``fixed_losses``)."""
         noise = torch.stack([self.eval_noise(x0[i], i if rows is None else int(rows[i])) for i in range(len(x0))])
         times = (torch.arange(self.eval_timesteps, dtype=torch.float32, device=x0.device) + 0.5) / self.eval_timesteps
-        total = sum(self.per_sample_loss(net, x0, noise, t.expand(len(x0)), cond) for t in times)
-        return total / self.eval_timesteps
+        return [self.per_sample_loss(net, x0, noise, t.expand(len(x0)), cond) for t in times]
+
+    def band_losses(self, per_time: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The evaluation loss in ``eval_bands`` equal bands of training time (before any flow shift), named on
+        diffusers' 0-1000 scale: ``loss_t000-250`` is the mean over the times below 0.25, the least noised."""
+        bands: dict[str, list[torch.Tensor]] = {}
+        for i, losses in enumerate(per_time if self.eval_bands else []):
+            k = (2 * i + 1) * self.eval_bands // (2 * self.eval_timesteps)  # the band of time (i + 0.5) / T
+            bands.setdefault(f"loss_t{k * 1000 // self.eval_bands:03d}-{(k + 1) * 1000 // self.eval_bands}",
+                             []).append(losses)
+        return {name: (sum(parts) / len(parts)).mean() for name, parts in bands.items()}
 
     def eval_noise(self, like: torch.Tensor, row: int) -> torch.Tensor:
         return seeded_normal(tuple(like.shape), self.eval_seed, row).to(like)
@@ -241,7 +258,7 @@ class FlowMatching(Generative):
                  logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0, shift: float = 1.0,
                  dynamic_shift: bool = False, base_shift: float = 0.5, max_shift: float = 1.15,
                  base_image_seq_len: int = 256, max_image_seq_len: int = 4096, noise_offset: float = 0.0,
-                 noise_offset_probability: float = 1.0, input_perturbation: float = 0.0):
+                 noise_offset_probability: float = 1.0, input_perturbation: float = 0.0, eval_bands: int = 4):
         """Train a denoiser by flow matching.
 
         Args:
@@ -264,9 +281,11 @@ class FlowMatching(Generative):
             noise_offset: Add this x a normal per sample and channel to the training noise (offset noise: images of other overall brightness; 0.05-0.1 usual).
             noise_offset_probability: Share of training batches given the noise offset (SimpleTuner's noise_offset_probability).
             input_perturbation: Noise the input with the noise plus this x another normal, the target keeping the noise (Ning et al. 2023; 0.1 usual).
+            eval_bands: Also log val/loss in this many equal bands of time (val/loss_t000-250, ...): where the model is still bad; 0: none.
         """
         super().__init__(condition, condition_key, condition_dropout, null_label, timesteps, logit_mean, logit_std,
-                         eval_timesteps, eval_seed, noise_offset, noise_offset_probability, input_perturbation)
+                         eval_timesteps, eval_seed, noise_offset, noise_offset_probability, input_perturbation,
+                         eval_bands)
         problems = []
         if shift <= 0:
             problems.append(f"model.objective.shift = {shift}: must be positive (1: no shift)")
@@ -315,7 +334,7 @@ class Diffusion(Generative):
                  timesteps: Literal["uniform", "logit_normal"] = "uniform", logit_mean: float = 0.0,
                  logit_std: float = 1.0, eval_timesteps: int = 8, eval_seed: int = 0, beta_start: float = 0.0001,
                  beta_end: float = 0.02, rescale_betas_zero_snr: bool = False, noise_offset: float = 0.0,
-                 noise_offset_probability: float = 1.0, input_perturbation: float = 0.0):
+                 noise_offset_probability: float = 1.0, input_perturbation: float = 0.0, eval_bands: int = 4):
         """Train a denoiser by diffusion.
 
         Args:
@@ -339,9 +358,11 @@ class Diffusion(Generative):
             noise_offset: Add this x a normal per sample and channel to the training noise (offset noise: images of other overall brightness; 0.05-0.1 usual).
             noise_offset_probability: Share of training batches given the noise offset (SimpleTuner's noise_offset_probability).
             input_perturbation: Noise the input with the noise plus this x another normal, the target keeping the noise (Ning et al. 2023; 0.1 usual).
+            eval_bands: Also log val/loss in this many equal bands of time (val/loss_t000-250, ...): where the model is still bad; 0: none.
         """
         super().__init__(condition, condition_key, condition_dropout, null_label, timesteps, logit_mean, logit_std,
-                         eval_timesteps, eval_seed, noise_offset, noise_offset_probability, input_perturbation)
+                         eval_timesteps, eval_seed, noise_offset, noise_offset_probability, input_perturbation,
+                         eval_bands)
         problems = []
         if not 0 < beta_start < beta_end < 1:
             problems.append(f"model.objective.beta_start = {beta_start}, beta_end = {beta_end}: need "

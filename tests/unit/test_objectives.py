@@ -369,3 +369,32 @@ def test_the_noise_offset_comes_in_its_share_of_batches_and_is_one_value_per_sam
                        (dict(input_perturbation=-0.1), "input_perturbation")):
         with pytest.raises(ConfigError, match=field):
             FlowMatching(**bad)
+
+
+def test_the_validation_loss_comes_with_its_value_in_bands_of_time():
+    objective, net = bound(FlowMatching(condition="none", eval_timesteps=8)), Recorder()
+    b = batch(rows=[3, 1, 4, 1])
+    loss, bands = objective.loss(net, b, train=False)
+    per_time = objective.losses_by_time(net, b["image"], None, b["row"])  # times 1/16, 3/16, ..., 15/16
+    assert list(bands) == ["loss_t000-250", "loss_t250-500", "loss_t500-750", "loss_t750-1000"]
+    for k, name in enumerate(bands):
+        torch.testing.assert_close(bands[name], ((per_time[2 * k] + per_time[2 * k + 1]) / 2).mean())
+    # A denoiser right below timestep 500 (it knows x0, so the noise in x_t) and predicting zeros above: the low
+    # bands cost nothing, the high ones the velocity's square.
+    x0 = b["image"]
+
+    class RightAtLowNoise(nn.Module):
+        def forward(self, x, timestep, condition):
+            s = (timestep / 1000).view(-1, 1, 1, 1)
+            right = (x - (1 - s) * x0) / s - x0
+            return torch.where(s < 0.5, right, torch.zeros_like(x))
+
+    _, bands = objective.loss(RightAtLowNoise(), b, train=False)
+    assert bands["loss_t000-250"] < 1e-8 and bands["loss_t250-500"] < 1e-8 and bands["loss_t750-1000"] > 0.5, bands
+    torch.testing.assert_close(loss, torch.stack([*objective.loss(Recorder(), b, train=False)[1].values()]).mean())
+    assert objective.loss(Recorder(), b, train=True)[1] == {}, "training logs no bands"
+    assert bound(Diffusion(condition="none", eval_bands=0)).loss(Recorder(), b, train=False)[1] == {}
+    odd = bound(Diffusion(condition="none", eval_timesteps=6, eval_bands=3)).loss(Recorder(), b, train=False)[1]
+    assert list(odd) == ["loss_t000-333", "loss_t333-666", "loss_t666-1000"]
+    with pytest.raises(ConfigError, match="eval_bands = 9: must be 0 .none. or 2 to eval_timesteps .8."):
+        FlowMatching(eval_bands=9)
