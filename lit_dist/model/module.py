@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lit_dist.ckpt.match import differences, left_out, may_lack, refuse
@@ -45,6 +45,7 @@ from lit_dist.model.adapters import Adapter, base_fingerprint, base_names
 from lit_dist.model.conditions import Condition
 from lit_dist.model.ema import EMA
 from lit_dist.model.objectives import Classification, Generative, Objective
+from lit_dist.model.optimizers import notes, sets_its_own_step
 from lit_dist.runtime import compat
 
 
@@ -237,7 +238,11 @@ class LitModel(LightningModule):
         # none of it for the optimizer). Without one, every parameter, as checkpoints of earlier runs index them.
         params = [p for p in self.parameters() if p.requires_grad] if self.adapter is not None else self.parameters()
         optimizer = fused_where_unset(self.optimizer_factory(params))
-        scale = self.lr_scale()
+        told = notes(optimizer, self.lr_scaling, self.warmup_steps)
+        for note in told:
+            rank_zero_warn(f"lit-dist: {note}")
+        # An optimizer that sets its own step size (Prodigy) keeps its lr: scaling is for step sizes set by hand.
+        scale = 1.0 if sets_its_own_step(optimizer) else self.lr_scale()
         for group in optimizer.param_groups:
             group["lr"] *= scale
         self._log_batch_and_lr(optimizer, scale)

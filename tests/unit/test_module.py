@@ -197,3 +197,27 @@ def test_the_loss_is_copied_to_the_host_every_step_only_for_a_progress_bar(bar, 
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
     assert ("train/loss" in trainer.progress_bar_metrics) is bar
     assert "train/loss" in trainer.callback_metrics, "the plain progress lines and run.progress events read it"
+
+
+def test_an_optimizer_that_sets_its_own_step_keeps_its_lr_and_is_told_what_does_not_fit(recwarn):
+    prodigyopt = pytest.importorskip("prodigyopt")
+    from lit_dist.model.optimizers import notes
+
+    def configured(**settings):
+        model = LitModel(SimpleCNN(), optimizer=lambda p: prodigyopt.Prodigy(p, lr=1.0), base_batch_size=32,
+                         **settings)
+        out = attach(model, devices_batch=16, world=4, accumulate=2).configure_optimizers()
+        return out["optimizer"] if isinstance(out, dict) else out
+
+    recwarn.clear()
+    assert configured(lr_scaling="sqrt").param_groups[0]["lr"] == 1.0, "scaled: x2 the step Prodigy estimates"
+    told = [str(w.message) for w in recwarn]
+    assert any("Prodigy estimates its own step size: model.lr_scaling sqrt is not applied" in m for m in told), told
+    recwarn.clear()
+    assert configured(lr_scaling="none").param_groups[0]["lr"] == 1.0
+    assert not [w for w in recwarn if "lit-dist: model.optimizer" in str(w.message)], "nothing to say of a fit"
+    net = SimpleCNN()
+    assert notes(prodigyopt.Prodigy(net.parameters(), lr=1.0, safeguard_warmup=True), "none", 20) == []
+    said = notes(prodigyopt.Prodigy(net.parameters(), lr=0.01), "none", 20)
+    assert len(said) == 2 and "run at lr 1.0" in said[0] and "safeguard_warmup: true" in said[1], said
+    assert notes(torch.optim.AdamW(net.parameters(), lr=0.01), "sqrt", 20) == []

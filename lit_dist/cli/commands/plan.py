@@ -43,8 +43,15 @@ def plan(cli: "RunConfigCLI") -> int:
     if isinstance(model, LitModel):
         import torch
 
-        lr = model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))]).param_groups[0]["lr"]
-        if effective is not None:
+        from lit_dist.model.optimizers import notes, sets_its_own_step
+
+        optimizer = model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+        lr = optimizer.param_groups[0]["lr"]
+        if sets_its_own_step(optimizer):
+            lines.append(f"learning rate       {lr:.4g} ({type(optimizer).__name__} estimates its own step size: "
+                         "not scaled)")
+            lines += [f"note                {note}" for note in notes(optimizer, model.lr_scaling, model.warmup_steps)]
+        elif effective is not None:
             scaled = lr * lr_scale_factor(model.lr_scaling, effective, model.base_batch_size)
             lines.append(f"learning rate       {lr:.4g} -> {scaled:.4g} ({model.lr_scaling} scaling against base "
                          f"batch {model.base_batch_size})")
