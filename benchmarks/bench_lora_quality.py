@@ -77,6 +77,7 @@ def lora_fit(args, folder: str, others: str, held: str, tmp: str) -> str:
         "--data.resolution", "32", "--data.batch_size_per_device", str(args.batch), "--data.num_workers", "1",
         "--data.allow_oversubscription", "true", "--data.cache.dir", os.path.join(tmp, "cache"),
         "--model.adapter.kind", "lora", "--model.adapter.rank", str(args.rank),
+        *(["--model.adapter.target_modules", str(args.target_modules)] if args.target_modules else []),
         "--model.optimizer.init_args.lr", str(args.lr), "--model.warmup_steps", str(min(50, args.lora_steps // 10)),
         "--model.objective", "lit_dist.model.objectives.Diffusion", "--model.objective.init_args.condition_dropout",
         "0.1", "--model.objective.init_args.snr_gamma", "5", "--model.ema.decay", "0.99",
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--lora-steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=1e-3, help="the LoRA's learning rate")
+    parser.add_argument("--target-modules", nargs="+", help="the layers adapted; default: the family's (attention)")
     parser.add_argument("--workdir", help="keep everything here; a pretrained folder already in it is reused")
     args = parser.parse_args()
     if args.short:
