@@ -61,7 +61,9 @@ def guarded():
     for i in range(IMAGES):
         s3.put_object(Bucket=BUCKET, Key=f"imgs/{i}.png", Body=png(40 + i, 20))
     iam.create_user(UserName="lister")
-    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:ListBucket", "Resource": "*"}]}
+    # AWS authorises ListObjectsV2 by s3:ListBucket; moto from 5.2 checks it as an action of its own.
+    listing = ["s3:ListBucket", "s3:ListObjectsV2"]
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": listing, "Resource": "*"}]}
     iam.put_user_policy(UserName="lister", PolicyName="list-only", PolicyDocument=json.dumps(policy))
     key = iam.create_access_key(UserName="lister")["AccessKey"]
     yield url, {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
