@@ -46,7 +46,12 @@ def run_short(name: str, tmp_path) -> subprocess.CompletedProcess:
     return run_module(f"benchmarks.{name}", "--short", timeout=TIMEOUT_S, env=env)
 
 
-@pytest.mark.parametrize("name", BENCHMARKS)
+# The longest short runs (bench_cache 202 s, bench_generative 107 s on CI's two busy cores): .ci/test runs them beside
+# the parallel tests, in the process of the slurm tier, which mostly waits on its jobs.
+BESIDE = {"bench_cache", "bench_generative"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.beside) if n in BESIDE else n for n in BENCHMARKS])
 def test_the_short_run_ends_with_its_result_line(name, tmp_path):
     for module in EXTRAS.get(name, []):
         pytest.importorskip(module, reason=f"{name} needs {module} (an optional extra; bash .ci/setup test installs it)")
