@@ -17,6 +17,7 @@ Configured by the CLI's ``export`` group::
 """
 
 import os
+from contextlib import nullcontext
 
 import torch
 from lightning.pytorch import Callback
@@ -42,6 +43,12 @@ class ExportModel(Callback):
         # Before the strategy is torn down: gathering a sharded state is a collective on every rank.
         if not self.filename:
             return
+        # The weights a run keeps (a schedule-free optimizer's average) until written: on a CPU the state dict of
+        # one process holds the parameters themselves, not copies.
+        with getattr(pl_module, "weights_to_keep", nullcontext)():
+            self._export(trainer, pl_module)
+
+    def _export(self, trainer, pl_module) -> None:
         state = full_state_dict(trainer, pl_module)
         if trainer.is_global_zero:
             run_dir = getattr(trainer.logger, "log_dir", None) or trainer.default_root_dir

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -112,16 +113,18 @@ class Saver:
         target = "/".join([store.staging(name), STATE]) if store.local else store.url_of(name, STATE)
         whole_on_rank_zero = compat.rank_zero_writes(trainer.strategy)
         started = time.monotonic()
-        # On every rank before anything can fail: on_save_checkpoint gathers every rank's random states.
-        checkpoint = compat.dump_checkpoint(trainer)
-        self._state_bytes = state_bytes(checkpoint)  # the strategy may take parts of it apart while saving
-        if compat.writes_dcp_shards(trainer.strategy):
-            self._save_shards(trainer, name, target, checkpoint, info, started)
-        elif self.async_save and whole_on_rank_zero:
-            if trainer.is_global_zero:
-                self._write_in_background(name, target, checkpoint, info, started)
-        else:
-            self._write(trainer, name, target, checkpoint, info, started, whole_on_rank_zero)
+        # The weights a checkpoint keeps (a schedule-free optimizer's average) until they are written or copied.
+        with getattr(trainer.lightning_module, "weights_to_keep", nullcontext)():
+            # On every rank before anything can fail: on_save_checkpoint gathers every rank's random states.
+            checkpoint = compat.dump_checkpoint(trainer)
+            self._state_bytes = state_bytes(checkpoint)  # the strategy may take parts of it apart while saving
+            if compat.writes_dcp_shards(trainer.strategy):
+                self._save_shards(trainer, name, target, checkpoint, info, started)
+            elif self.async_save and whole_on_rank_zero:
+                if trainer.is_global_zero:
+                    self._write_in_background(name, target, checkpoint, info, started)
+            else:
+                self._write(trainer, name, target, checkpoint, info, started, whole_on_rank_zero)
         return store.url_of(name)
 
     def _write_in_background(self, name: str, target: str, checkpoint: dict, info: dict, started: float) -> None:

@@ -66,7 +66,7 @@ def _regather(persistent: list[torch.Tensor]) -> None:
         persistent[0].all_gather(persistent)
 
 
-def _fsdp2_modules(net: nn.Module) -> list[nn.Module]:
+def fsdp2_modules(net: nn.Module) -> list[nn.Module]:
     """The modules of ``net`` that FSDP2's ``fully_shard`` made (none where it is not used)."""
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -75,10 +75,11 @@ def _fsdp2_modules(net: nn.Module) -> list[nn.Module]:
     return [m for m in net.modules() if isinstance(m, FSDPModule)]
 
 
-def _reshard(modules: list[nn.Module]) -> None:
-    """Drop FSDP2's gathered copies of the parameters, so that the next forward gathers them from the shards again.
-    Without it (``reshard_after_forward: false``), the copy a forward without gradients (validation, samples) left
-    in place was still the one swapped in, and ``unshard`` returns at once for a gathered module: the first
+def reshard(modules: list[nn.Module]) -> None:
+    """Drop FSDP2's gathered copies of the parameters, so that the next forward gathers them from the shards again:
+    after anything changes the parameters outside a step (the average swapped in or out, a schedule-free optimizer
+    moved between its points). Without it (``reshard_after_forward: false``, and always for the root module), the
+    copy a forward without gradients (validation, samples) left in place was still the one swapped in, and ``unshard`` returns at once for a gathered module: the first
     training step after every validation trained on the average. No collective: each rank frees its own copy."""
     for module in modules:
         module.reshard()
@@ -160,7 +161,7 @@ class EMA(nn.Module):
             self._params.append(param)
         if not self.names:
             raise ConfigError("model.ema is set but model.net has no trainable parameters to average")
-        self._sharded = _fsdp2_modules(net)
+        self._sharded = fsdp2_modules(net)
 
     def _follow_partitions(self) -> None:
         """Under ZeRO-3, once the engine has partitioned the parameters: each average becomes a float32 copy of its
@@ -263,7 +264,7 @@ class EMA(nn.Module):
         self._raw = [p.clone() for p in params]
         torch._foreach_copy_(params, averages)
         _regather(_partitioned(self._params))
-        _reshard(self._sharded)
+        reshard(self._sharded)
 
     @property
     def swapped(self) -> bool:
@@ -278,4 +279,4 @@ class EMA(nn.Module):
         torch._foreach_copy_(self._tensors()[1], self._raw)
         self._raw = None
         _regather(_partitioned(self._params))
-        _reshard(self._sharded)
+        reshard(self._sharded)

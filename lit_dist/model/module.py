@@ -43,9 +43,9 @@ from lit_dist.ckpt.match import differences, left_out, may_lack, refuse
 from lit_dist.errors import ConfigError
 from lit_dist.model.adapters import Adapter, base_fingerprint, base_names
 from lit_dist.model.conditions import Condition
-from lit_dist.model.ema import EMA
+from lit_dist.model.ema import EMA, fsdp2_modules, reshard
 from lit_dist.model.objectives import Classification, Generative, Objective
-from lit_dist.model.optimizers import notes, sets_its_own_step
+from lit_dist.model.optimizers import evaluation_point, notes, refusals, schedule_free, sets_its_own_step
 from lit_dist.runtime import compat
 
 
@@ -186,6 +186,7 @@ class LitModel(LightningModule):
         self._eval_names: list[str] = []
         self._loss_in_bar = True  # see on_train_start
         self._uncounted = False  # a strategy loaded an average without its count of updates (start_unsaved)
+        self._kept = None  # validation's weights_to_keep, open from on_validation_start to its epoch's end
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -238,7 +239,11 @@ class LitModel(LightningModule):
         # none of it for the optimizer). Without one, every parameter, as checkpoints of earlier runs index them.
         params = [p for p in self.parameters() if p.requires_grad] if self.adapter is not None else self.parameters()
         optimizer = fused_where_unset(self.optimizer_factory(params))
-        told = notes(optimizer, self.lr_scaling, self.warmup_steps)
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = "deepspeed" if isinstance(getattr(self.trainer, "strategy", None), DeepSpeedStrategy) else "other"
+        ConfigError.collect(refusals(optimizer, strategy, ema=self.ema is not None))
+        told = notes(optimizer, self.lr_scaling, self.warmup_steps, self.lr_decay, self.lr_scheduler_factory is not None)
         for note in told:
             rank_zero_warn(f"lit-dist: {note}")
         # An optimizer that sets its own step size (Prodigy) keeps its lr: scaling is for step sizes set by hand.
@@ -318,9 +323,24 @@ class LitModel(LightningModule):
             return "the trained weights (model.ema.evaluate is false)"
         return f"the trained weights (the average starts after optimizer step {self.ema.first_step})"
 
+    @contextmanager
+    def weights_to_keep(self):
+        """Within: the parameters as checkpoints and exports hold them: a schedule-free optimizer's average (its eval
+        mode; lit_dist.model.optimizers), else the trained weights as they are; the training point is put back at
+        the end. Checkpoints and exports are written inside it."""
+        with evaluation_point(self._optimizers(), lambda: reshard(fsdp2_modules(self.net))):
+            yield
+
+    def _optimizers(self) -> list:
+        trainer = self._trainer  # None outside a Trainer (the property would raise)
+        return list(trainer.optimizers) if trainer is not None else []
+
     # Validation, test and prediction use the average (averaged) and put the trained weights back at their end:
-    # before the callbacks' on_validation_end, where checkpoints are saved.
+    # before the callbacks' on_validation_end, where checkpoints are saved. A schedule-free optimizer's average is
+    # swapped in the same way (weights_to_keep).
     def on_validation_start(self) -> None:
+        self._kept = self.weights_to_keep()
+        self._kept.__enter__()
         if self.averaged():
             self.ema.swap_in()
 
@@ -333,6 +353,7 @@ class LitModel(LightningModule):
     def on_predict_end(self) -> None:
         if self.ema is not None:
             self.ema.swap_out()
+        self._training_point()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.ema is not None and self.ema.swapped:
@@ -408,6 +429,13 @@ class LitModel(LightningModule):
         # per step on GPUs (GPU tier). So the loss is a bar metric only where a bar shows it (a terminal); the
         # plain progress lines read it once per line.
         self._loss_in_bar = self.trainer.progress_bar_callback is not None
+        # A schedule-free optimizer steps at its training point: a fresh one, and one restored from a checkpoint
+        # (which holds its average), start in eval mode.
+        moved = [o for o in self.trainer.optimizers if schedule_free(o) and not o.param_groups[0]["train_mode"]]
+        for optimizer in moved:
+            optimizer.train()
+        if moved:  # FSDP2: a sanity check's forward may have left a gathered copy of the average
+            reshard(fsdp2_modules(self.net))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, metrics = self.compute_loss(batch)
@@ -435,11 +463,19 @@ class LitModel(LightningModule):
         self._log_eval("val")
         if self.ema is not None:
             self.ema.swap_out()
+        self._training_point()
+
+    def _training_point(self) -> None:
+        """Ends the weights_to_keep of on_validation_start: a schedule-free optimizer back at its training point."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.__exit__(None, None, None)
 
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")
         if self.ema is not None:
             self.ema.swap_out()
+        self._training_point()
 
     def _eval_step(self, batch: dict) -> None:
         loss, metrics = self.compute_loss(batch)
@@ -473,7 +509,8 @@ class LitModel(LightningModule):
         if swap:
             self.ema.swap_in()
         try:
-            yield
+            with self.weights_to_keep():
+                yield
         finally:
             if swap:
                 self.ema.swap_out()

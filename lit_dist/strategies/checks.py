@@ -88,10 +88,28 @@ def check_deepspeed(config, world_size: int) -> tuple[list[str], list[str]]:
     if offload and "deepspeed" not in optimizer_path.lower():
         problems.append(f"optimizer offload needs DeepSpeed's CPU optimizer, but model.optimizer is {optimizer_path!r}. "
                         "Set model.optimizer.class_path: deepspeed.ops.adam.DeepSpeedCPUAdam.")
+    if _schedule_free(optimizer_path):
+        from lit_dist.model.optimizers import under_deepspeed
+
+        problems.append(under_deepspeed(optimizer_path.rsplit(".", 1)[-1]))
     if stage == 3:
         warnings.append("ZeRO-3: parameters are partitioned, so validation runs sharded and checkpoints are folders of "
                         "shards; lit-dist writes a consolidated model.pt at the end (lit-dist export converts any checkpoint).")
     return problems, warnings
+
+
+def _schedule_free(class_path: str) -> bool:
+    """Whether the optimizer class at ``class_path`` is schedule-free; False when it cannot be imported here (the run
+    then says so where it builds it)."""
+    import importlib
+
+    from lit_dist.model.optimizers import schedule_free_class
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        return schedule_free_class(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError, ValueError):
+        return False
 
 
 def default_precision(trainer_config, cuda_available: bool | None = None) -> str:

@@ -126,7 +126,16 @@ class FSDP2Strategy(ModelParallelStrategy):
         weight average turned on at this resume) are left out of the load and started by ``start_unsaved``."""
         from lit_dist.ckpt import sharded, vetting
         from lit_dist.ckpt.io import TRUST
+        from lit_dist.model.optimizers import schedule_free
 
+        # DCP fills an empty optimizer state by a step with zero gradients at lr 0 before loading into it, which a
+        # schedule-free optimizer refuses in eval mode. Its flag is set directly: train() would add an empty entry
+        # per parameter, and DCP would take the state for filled and load none of it (the load then sets the flag
+        # saved).
+        for optimizer in self.optimizers:
+            if schedule_free(optimizer) and not optimizer.state:
+                for group in optimizer.param_groups:
+                    group["train_mode"] = True
         location = str(self.broadcast(checkpoint_path))
         reader = sharded.store_reader(location, self.checkpoint_io, TRUST, trust=weights_only is False)
         if reader is None:

@@ -163,6 +163,14 @@ def test_a_deepspeed_json_that_disagrees_with_the_run_is_refused_before_any_proc
     assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
 
 
+def test_a_schedule_free_optimizer_is_refused_before_any_process_starts(tmp_path, demo_data):
+    pytest.importorskip("schedulefree")
+    out, _ = fit(tmp_path, demo_data, "zero2", "sf", "--model.optimizer", "schedulefree.AdamWScheduleFree")
+    assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-3000:]
+    assert "model.optimizer AdamWScheduleFree is schedule-free, and under DeepSpeed its eval() would move" in out.stderr
+    assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
+
+
 _FAILING_CXX = """#!/bin/sh
 for arg in "$@"; do  # compiling fails as a broken toolchain does; --version and the ABI check pass
   if [ "$arg" = "-c" ]; then echo "planted.cpp:1:1: error: the planted compiler refuses to build" >&2; exit 1; fi

@@ -1,5 +1,5 @@
 """Optimizers users name by class_path: Prodigy, which sets its own step size, trains the quickstart at lr 1.0 with
-no tuning, and `lit-dist plan` says which of a config's settings do not fit it."""
+no tuning, and `lit-dist plan` says which of a config's settings do not fit it or a schedule-free optimizer."""
 
 import re
 
@@ -27,3 +27,15 @@ def test_prodigy_at_lr_1_trains_the_quickstart_to_95_percent(tmp_path):
     accuracies = [float(a) for a in re.findall(r"val/acc ([\d.]+)", log)]
     assert len(accuracies) >= 15 and accuracies[-1] >= 0.95, accuracies  # 0.9965 here, as AdamW's quickstart
     assert "estimates its own step size" not in log, "a config that fits Prodigy is told nothing"
+
+
+def test_plan_tells_a_schedule_free_run_of_its_scheduler_and_refuses_a_weight_average(tmp_path):
+    pytest.importorskip("schedulefree")
+    quickstart = ["--config", str(CONFIGS / "quickstart.yaml"), "--model.optimizer", "schedulefree.AdamWScheduleFree"]
+    out = lit_dist("plan", *quickstart, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "AdamWScheduleFree is schedule-free: it needs no decay of the lr, and model.lr_scheduler" in out.stdout
+    out = lit_dist("plan", *quickstart, "--model.lr_scheduler", "null", "--model.ema.decay", "0.99", cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr[-2000:]
+    assert "model.ema would average the training point instead" in out.stdout
+    assert "needs no decay" not in out.stdout, "a constant lr is told nothing"

@@ -43,14 +43,13 @@ def plan(cli: "RunConfigCLI") -> int:
     if isinstance(model, LitModel):
         import torch
 
-        from lit_dist.model.optimizers import notes, sets_its_own_step
+        from lit_dist.model.optimizers import notes, refusals, sets_its_own_step
 
         optimizer = model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
         lr = optimizer.param_groups[0]["lr"]
         if sets_its_own_step(optimizer):
             lines.append(f"learning rate       {lr:.4g} ({type(optimizer).__name__} estimates its own step size: "
                          "not scaled)")
-            lines += [f"note                {note}" for note in notes(optimizer, model.lr_scaling, model.warmup_steps)]
         elif effective is not None:
             scaled = lr * lr_scale_factor(model.lr_scaling, effective, model.base_batch_size)
             lines.append(f"learning rate       {lr:.4g} -> {scaled:.4g} ({model.lr_scaling} scaling against base "
@@ -59,6 +58,10 @@ def plan(cli: "RunConfigCLI") -> int:
             problems.append((ExitCode.CONFIG_ERROR, f"model.lr_scaling = {model.lr_scaling!r} needs a data module "
                                                     "with batch_size_per_device"))
         lines.append(f"warmup              {model.warmup_steps} optimizer steps")
+        lines += [f"note                {note}" for note in notes(optimizer, model.lr_scaling, model.warmup_steps,
+                                                                model.lr_decay, model.lr_scheduler_factory is not None)]
+        # DeepSpeed's refusal came before this, from the strategy's checks.
+        problems += [(ExitCode.CONFIG_ERROR, line) for line in refusals(optimizer, "other", model.ema is not None)]
 
     if isinstance(data, BucketDataModule):
         problems += _plan_data(data, world, accumulate, trainer, lines)
