@@ -88,28 +88,35 @@ def check_deepspeed(config, world_size: int) -> tuple[list[str], list[str]]:
     if offload and "deepspeed" not in optimizer_path.lower():
         problems.append(f"optimizer offload needs DeepSpeed's CPU optimizer, but model.optimizer is {optimizer_path!r}. "
                         "Set model.optimizer.class_path: deepspeed.ops.adam.DeepSpeedCPUAdam.")
-    if _schedule_free(optimizer_path):
-        from lit_dist.model.optimizers import under_deepspeed
-
-        problems.append(under_deepspeed(optimizer_path.rsplit(".", 1)[-1]))
     if stage == 3:
         warnings.append("ZeRO-3: parameters are partitioned, so validation runs sharded and checkpoints are folders of "
                         "shards; lit-dist writes a consolidated model.pt at the end (lit-dist export converts any checkpoint).")
     return problems, warnings
 
 
-def _schedule_free(class_path: str) -> bool:
-    """Whether the optimizer class at ``class_path`` is schedule-free; False when it cannot be imported here (the run
-    then says so where it builds it)."""
+def check_optimizer(config) -> list[str]:
+    """Optimizers the run's strategy cannot step: a schedule-free one under DeepSpeed, bitsandbytes' under FSDP2."""
     import importlib
 
-    from lit_dist.model.optimizers import schedule_free_class
+    from lit_dist.model.optimizers import schedule_free_class, under_deepspeed
 
+    optimizer = getattr(getattr(config.model, "init_args", config.model), "optimizer", None)
+    class_path = getattr(optimizer, "class_path", "") or ""
+    strategy = strategy_name(config.trainer.strategy).lower()
     module, _, name = class_path.rpartition(".")
-    try:
-        return schedule_free_class(getattr(importlib.import_module(module), name))
-    except (ImportError, AttributeError, ValueError):
-        return False
+    problems = []
+    if "deepspeed" in strategy:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            cls = None  # the run says so where it builds it
+        if cls is not None and schedule_free_class(cls):
+            problems.append(under_deepspeed(name))
+    if strategy.endswith("fsdp2strategy") and module.split(".")[0] == "bitsandbytes":
+        problems.append(f"model.optimizer {name} (bitsandbytes) steps plain tensors, and FSDP2's parameters are "
+                        "DTensors (its kernels stop on them): use trainer.strategy ddp, or a DeepSpeed preset "
+                        "(configs/deepspeed_zero2.yaml: ZeRO steps its own flat tensors, 8-bit states included)")
+    return problems
 
 
 def default_precision(trainer_config, cuda_available: bool | None = None) -> str:
@@ -135,7 +142,7 @@ def prepare_strategy(config) -> None:
     deepspeed_problems, warnings = check_deepspeed(config, world_size(config.trainer)[0])
     for warning in warnings:
         rank_zero_warn(f"lit-dist: {warning}")
-    ConfigError.collect(problems + deepspeed_problems)
+    ConfigError.collect(problems + deepspeed_problems + check_optimizer(config))
     init_args = getattr(config.trainer.strategy, "init_args", None)
     per_device = getattr(getattr(config.data, "init_args", config.data), "batch_size_per_device", None)
     deepspeed = "deepspeed" in strategy_name(config.trainer.strategy).lower()

@@ -33,6 +33,10 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         """
         super().__init__(logging_batch_size_per_gpu=logging_batch_size_per_gpu, **kwargs)
         self._micro_batch = logging_batch_size_per_gpu
+        # ZeRO otherwise stops any optimizer but its own list (torch's Adam, AdamW, ...) with an assertion, Prodigy and
+        # bitsandbytes' 8-bit AdamW among them; Lightning's default config allows them too. A JSON that sets it wins.
+        if isinstance(self.config, dict):
+            self.config.setdefault("zero_allow_untested_optimizer", True)
 
     def _auto_select_batch_size(self) -> int:
         # Lightning reads the loader's batch_size, which lit-dist's loaders leave unset (the dataset returns whole

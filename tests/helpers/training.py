@@ -14,13 +14,15 @@ from tests.helpers.recorder import StopAfterEpoch, StopAtStep
 
 
 def run(root, demo_data, max_steps, stop=None, resume=False, restore_rng=True, stop_after_epoch=None,
-        dirpath=None, storage_options=None, batch_size=8, extra=(), data=None, input_key="image", objective=None):
+        dirpath=None, storage_options=None, batch_size=8, extra=(), data=None, input_key="image", objective=None,
+        optimizer=None):
     """Train to ``max_steps`` (or stop at step ``stop``) with checkpoints in ``dirpath`` (``root/ckpt`` by default);
-    ``resume`` picks up the newest one; with an ``objective`` (a generative one) a small TinyUNet learns it. Returns
-    (model, trainer, checkpointing)."""
+    ``resume`` picks up the newest one; with an ``objective`` (a generative one) a small TinyUNet learns it; with an
+    ``optimizer`` (params -> optimizer) it steps instead of AdamW. Returns (model, trainer, checkpointing)."""
     seed_everything(0)
     net = DropoutCNN(num_classes=4) if objective is None else TinyUNet(channels=(8, 16), num_classes=5, embed_dim=16)
-    model = LitModel(net, objective=objective, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), input_key=input_key)
+    model = LitModel(net, objective=objective, optimizer=optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)),
+                     input_key=input_key)
     dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=batch_size, num_workers=0, val_fraction=0.1,
                           **(data or {}))
     checkpointing = Checkpointing(dirpath=dirpath or str(root / "ckpt"), every_n_epochs=None, storage_options=storage_options)

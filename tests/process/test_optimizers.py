@@ -39,3 +39,14 @@ def test_plan_tells_a_schedule_free_run_of_its_scheduler_and_refuses_a_weight_av
     assert out.returncode == 2, out.stdout + out.stderr[-2000:]
     assert "model.ema would average the training point instead" in out.stdout
     assert "needs no decay" not in out.stdout, "a constant lr is told nothing"
+
+
+def test_bitsandbytes_under_fsdp2_is_refused_before_any_process_starts(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    out = lit_dist("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--config", str(CONFIGS / "fsdp2.yaml"),
+                   "--trainer.devices", "2", "--model.optimizer", "bitsandbytes.optim.AdamW8bit",
+                   "--run.root_dir", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "model.optimizer AdamW8bit (bitsandbytes) steps plain tensors, and FSDP2's parameters are DTensors" \
+        in out.stderr
+    assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
