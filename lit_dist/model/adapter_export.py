@@ -24,8 +24,9 @@ PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 def adapter_state(model, state: dict) -> dict:
     """The adapter's entries of ``state`` (a ``PipelineDenoiser``'s state dict: ``model.`` + the diffusers model's
     names) in peft's names, without the adapter's name (``...to_q.lora_A.weight``)."""
-    from peft import get_peft_model_state_dict
+    from lit_dist.model.adapters import import_peft
 
+    get_peft_model_state_dict = import_peft().get_peft_model_state_dict
     inner = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     return get_peft_model_state_dict(model, state_dict=inner)
 

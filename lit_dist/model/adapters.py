@@ -31,6 +31,25 @@ from torch import nn
 from lit_dist.errors import ConfigError
 from lit_dist.runtime.extras import require
 
+
+def import_peft():
+    """peft, imported without bitsandbytes when nothing has imported that yet: peft imports it, where installed, for
+    quantized bases lit-dist does not give it, and bitsandbytes' import (torch's compiler with it) adds 3-5 s of CPU
+    to every start of a run with an adapter. A run whose optimizer is bitsandbytes' has imported it already (the
+    config names it) and is left as it is."""
+    import sys
+
+    if "peft" in sys.modules or "bitsandbytes" in sys.modules:
+        import peft
+
+        return peft
+    sys.modules["bitsandbytes"] = None  # `import bitsandbytes` raises ImportError, find_spec finds nothing
+    try:
+        import peft
+    finally:
+        del sys.modules["bitsandbytes"]
+    return peft
+
 # The layers each family's adapter goes into unless target_modules says: the attention projections diffusers' own
 # LoRA scripts train (train_dreambooth_lora_sdxl.py; for SD3 and Flux their joint attention's context projections
 # and feed-forwards too, as train_dreambooth_lora_sd3.py and _flux.py do).
@@ -95,7 +114,7 @@ class Adapter:
     def config(self, targets: list[str]):
         """The peft config of this adapter on the layers ``targets``."""
         require("peft", "model.adapter")
-        import peft
+        peft = import_peft()
 
         if self.kind == "lora":
             init = True if self.init == "default" else self.init
@@ -132,9 +151,7 @@ class Adapter:
         if hasattr(inner, "add_adapter"):  # a diffusers model: its own entry, which records the adapter as its own
             inner.add_adapter(config)
         else:
-            import peft
-
-            peft.inject_adapter_in_model(config, inner)
+            import_peft().inject_adapter_in_model(config, inner)
         return inner
 
     def describe(self) -> str:
