@@ -79,8 +79,9 @@ def reshard(modules: list[nn.Module]) -> None:
     """Drop FSDP2's gathered copies of the parameters, so that the next forward gathers them from the shards again:
     after anything changes the parameters outside a step (the average swapped in or out, a schedule-free optimizer
     moved between its points). Without it (``reshard_after_forward: false``, and always for the root module), the
-    copy a forward without gradients (validation, samples) left in place was still the one swapped in, and ``unshard`` returns at once for a gathered module: the first
-    training step after every validation trained on the average. No collective: each rank frees its own copy."""
+    copy a forward without gradients (validation, samples) left in place was still the one swapped in, and
+    ``unshard`` returns at once for a gathered module: the first training step after every validation trained on the
+    average. No collective: each rank frees its own copy."""
     for module in modules:
         module.reshard()
 

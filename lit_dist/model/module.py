@@ -30,7 +30,7 @@ flow matching or diffusion for a denoiser. For anything else, subclass it and ov
 
 import inspect
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Literal
 
 import torch
@@ -45,7 +45,7 @@ from lit_dist.model.adapters import Adapter, base_fingerprint, base_names
 from lit_dist.model.conditions import Condition
 from lit_dist.model.ema import EMA, fsdp2_modules, reshard
 from lit_dist.model.objectives import Classification, Generative, Objective
-from lit_dist.model.optimizers import evaluation_point, notes, refusals, schedule_free, sets_its_own_step
+from lit_dist.model.optimizers import evaluation_point, notes, refusals, sets_its_own_step, training_point
 from lit_dist.runtime import compat
 
 
@@ -186,7 +186,7 @@ class LitModel(LightningModule):
         self._eval_names: list[str] = []
         self._loss_in_bar = True  # see on_train_start
         self._uncounted = False  # a strategy loaded an average without its count of updates (start_unsaved)
-        self._kept = None  # validation's weights_to_keep, open from on_validation_start to its epoch's end
+        self._kept = ExitStack()  # validation's weights_to_keep, open from on_validation_start to its epoch's end
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -328,8 +328,12 @@ class LitModel(LightningModule):
         """Within: the parameters as checkpoints and exports hold them: a schedule-free optimizer's average (its eval
         mode; lit_dist.model.optimizers), else the trained weights as they are; the training point is put back at
         the end. Checkpoints and exports are written inside it."""
-        with evaluation_point(self._optimizers(), lambda: reshard(fsdp2_modules(self.net))):
+        with evaluation_point(self._optimizers(), self._reshard):
             yield
+
+    def _reshard(self) -> None:
+        """FSDP2: drop the gathered copies of parameters just moved (ema.reshard)."""
+        reshard(fsdp2_modules(self.net))
 
     def _optimizers(self) -> list:
         trainer = self._trainer  # None outside a Trainer (the property would raise)
@@ -339,8 +343,7 @@ class LitModel(LightningModule):
     # before the callbacks' on_validation_end, where checkpoints are saved. A schedule-free optimizer's average is
     # swapped in the same way (weights_to_keep).
     def on_validation_start(self) -> None:
-        self._kept = self.weights_to_keep()
-        self._kept.__enter__()
+        self._kept.enter_context(self.weights_to_keep())
         if self.averaged():
             self.ema.swap_in()
 
@@ -431,11 +434,8 @@ class LitModel(LightningModule):
         self._loss_in_bar = self.trainer.progress_bar_callback is not None
         # A schedule-free optimizer steps at its training point: a fresh one, and one restored from a checkpoint
         # (which holds its average), start in eval mode.
-        moved = [o for o in self.trainer.optimizers if schedule_free(o) and not o.param_groups[0]["train_mode"]]
-        for optimizer in moved:
-            optimizer.train()
-        if moved:  # FSDP2: a sanity check's forward may have left a gathered copy of the average
-            reshard(fsdp2_modules(self.net))
+        # (FSDP2: a sanity check's forward may have left a gathered copy of the average, which _reshard drops.)
+        training_point(self.trainer.optimizers, self._reshard)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, metrics = self.compute_loss(batch)
@@ -467,9 +467,7 @@ class LitModel(LightningModule):
 
     def _training_point(self) -> None:
         """Ends the weights_to_keep of on_validation_start: a schedule-free optimizer back at its training point."""
-        kept, self._kept = self._kept, None
-        if kept is not None:
-            kept.__exit__(None, None, None)
+        self._kept.close()
 
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")

@@ -58,10 +58,17 @@ def evaluation_point(optimizers, after_move=lambda: None):
     try:
         yield
     finally:
-        for optimizer in moved:
-            optimizer.train()
-        if moved:
-            after_move()
+        training_point(moved, after_move)
+
+
+def training_point(optimizers, after_move=lambda: None) -> None:
+    """Every schedule-free optimizer among ``optimizers`` in eval mode moved to its training point (``train()``),
+    then ``after_move`` once if any moved."""
+    moved = [o for o in optimizers if schedule_free(o) and not o.param_groups[0]["train_mode"]]
+    for optimizer in moved:
+        optimizer.train()
+    if moved:
+        after_move()
 
 
 def refusals(optimizer: torch.optim.Optimizer, strategy: str, ema: bool) -> list[str]:
