@@ -138,14 +138,20 @@ def run(args, tmp: str) -> dict:
     return {**scores, "base_unchanged": folder_hash(pretrained) == before, "pretrain_adherence": pretrain["adherence"]}
 
 
+CONV_AND_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "conv1", "conv2"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.add_argument("--held", default="triangle", help="the shape the pretrained pipeline never sees")
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--lora-steps", type=int, default=600)
+    parser.add_argument("--lora-steps", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=1e-3, help="the LoRA's learning rate")
-    parser.add_argument("--target-modules", nargs="+", help="the layers adapted; default: the family's (attention)")
+    # The attention projections alone do not draw a shape the base never saw (0.094 at 600 and 1,200 steps);
+    # the convolutions carry the shape, so they are adapted too, as LyCORIS's LoCon does.
+    parser.add_argument("--target-modules", nargs="+", default=CONV_AND_ATTENTION,
+                        help="the layers adapted; default: attention, its projections and the resnet convolutions")
     parser.add_argument("--workdir", help="keep everything here; a pretrained folder already in it is reused")
     args = parser.parse_args()
     if args.short:
