@@ -389,9 +389,10 @@ def _loader_of(tb):
     return loader
 
 
-def _dead_workers(loader, wait_s: float = 2.0) -> list[tuple[int, int]]:
+def _dead_workers(loader, wait_s: float = 10.0) -> list[tuple[int, int]]:
     """(pid, return code) of ``loader``'s workers that have ended, waiting up to ``wait_s`` for their end to
-    reach this process (the socket closes as the worker dies; its return code comes a moment later)."""
+    reach this process (the socket closes as the worker dies; its return code comes a moment later: from a fork
+    server on a loaded machine, 2 s was once not enough). Only a failed handover waits."""
     deadline = time.monotonic() + wait_s
     while True:
         dead = []
