@@ -282,6 +282,9 @@ class Preflight(Callback):
         comm = Comm.current()
         mine = RankFigures(comm.rank, socket.gethostname(), os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         files, fs = _source_files(data, comm.rank, comm.world)
+        if comm.rank == 0:  # the figures take a while on a large job: say what is under way
+            print(f"lit-dist preflight: measuring {_count(comm.world, 'rank')} (matmul, reads, writes, loader, "
+                  f"all-reduce: about {self.seconds:g} s each)", flush=True)
         # Every rank measures the same thing at the same time, as in training: reads and writes then share the
         # filesystem as a checkpoint save does, and ranks sharing a node's CPUs compete alike.
         comm.barrier()

@@ -26,7 +26,9 @@ from tests.helpers.processes import Output, finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy
 from tests.s3.outages import QUICK, SECOND_WAIT
 
-pytestmark = pytest.mark.s3
+# Mostly waiting on outages and deadlines (7 minutes of a test worker): beside the parallel tests, in .ci/test's second
+# process, whose slurm tests mostly wait too.
+pytestmark = [pytest.mark.s3, pytest.mark.beside]
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
        "PYTHONFAULTHANDLER": "1"}
 

@@ -22,10 +22,18 @@ FLAGS = ["--data.batch_size_per_device", "8", "--data.num_workers", "0", "--pref
          "--preflight.io_mb", "8", "--preflight.allreduce_mb", "4"]
 
 
-def _preflight(env, tmp_path, demo_data, run_id: str, *extra: str, timeout: float = 240):
-    return subprocess.Popen(["srun", "-N3", "--ntasks-per-node=1", env["LIT_DIST"], "preflight",
-                             *quickstart_args(tmp_path, demo_data, run__run_id=run_id), *FLAGS, *extra],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _preflight(env, tmp_path, demo_data, run_id: str, *extra: str):
+    """The job, started; its stdout goes to ``tmp_path / f"{run_id}.out"`` (read while it runs)."""
+    with open(tmp_path / f"{run_id}.out", "w") as out:
+        return subprocess.Popen(["srun", "-N3", "--ntasks-per-node=1", env["LIT_DIST"], "preflight",
+                                 *quickstart_args(tmp_path, demo_data, run__run_id=run_id), *FLAGS, *extra],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.PIPE, text=True)
+
+
+def _ended(proc, tmp_path, run_id: str, timeout: float) -> tuple[str, str]:
+    """(stdout, stderr) of the job once it ends."""
+    _, err = proc.communicate(timeout=timeout)
+    return (tmp_path / f"{run_id}.out").read_text(), err
 
 
 def _rank_pid(run_id: str, rank: int) -> int | None:
@@ -41,9 +49,9 @@ def test_preflight_measures_every_rank_and_node_and_names_a_starved_rank(slurm_n
     # Three ranks share two cores here, and reading the demo's small files is CPU work: a rank descheduled for part
     # of its one-second window once read 0.17 x the median (a clean-clone CI run). Nothing is starved in this run.
     proc = _preflight(env, tmp_path, demo_data, "even", "--preflight.min_fraction", "0.1")
-    out, err = proc.communicate(timeout=240)
+    out, err = _ended(proc, tmp_path, "even", timeout=240)
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
-    assert "lit-dist preflight: 3 ranks on 3 nodes" in out, out[-2000:]
+    assert "lit-dist preflight: measuring 3 ranks" in out and "lit-dist preflight: 3 ranks on 3 nodes" in out, out[-2000:]
     assert "all-reduce, whole job (3 ranks):" in out and "GB/s bus bandwidth" in out
     report = json.loads((tmp_path / "quickstart" / "even" / "preflight.json").read_text())
     assert [r["node"] for r in report["ranks"]] == ["node1", "node2", "node3"]
@@ -55,12 +63,16 @@ def test_preflight_measures_every_rank_and_node_and_names_a_starved_rank(slurm_n
     proc = _preflight(env, tmp_path, demo_data, "starved", "--preflight.min_fraction", "0.6")
     stop = threading.Event()
 
-    def starve() -> None:  # 180 ms stopped, 30 ms running, for as long as rank 2 runs
+    report = tmp_path / "quickstart" / "starved" / "preflight.json"
+
+    def starve() -> None:  # 180 ms stopped, 30 ms running, from the start of the measurements to the report
+        # Not through its start-up or its exit: starved from its start, a rank took a minute to begin; kept at a
+        # seventh of a core after its report was written, one once outlasted the test's 300 s (a clean-clone CI run).
         pid = None
-        while pid is None and not stop.is_set():
-            pid = _rank_pid("starved", 2)
+        while (pid is None or "measuring" not in (tmp_path / "starved.out").read_text()) and not stop.is_set():
+            pid = pid or _rank_pid("starved", 2)
             time.sleep(0.05)
-        while not stop.is_set():
+        while not stop.is_set() and not report.exists():
             try:
                 os.kill(pid, signal.SIGSTOP)
                 time.sleep(0.18)
@@ -72,12 +84,12 @@ def test_preflight_measures_every_rank_and_node_and_names_a_starved_rank(slurm_n
     thread = threading.Thread(target=starve, daemon=True)
     thread.start()
     try:
-        out, err = proc.communicate(timeout=300)
+        out, err = _ended(proc, tmp_path, "starved", timeout=300)
     finally:
         stop.set()
         thread.join()
     assert proc.returncode == ExitCode.PREFLIGHT, out[-2000:] + err[-3000:]
-    report = json.loads((tmp_path / "quickstart" / "starved" / "preflight.json").read_text())
+    report = json.loads(report.read_text())
     named = "; ".join(report["outliers"])
     assert "rank 2 (node3) matmul" in named and "rank 2 (node3) loader" in named, named
     # The others' compute is not named (their I/O may be: three ranks share one disk and two cores here).
