@@ -42,7 +42,8 @@ def plan_for(data, parts: list):
         needs.append(DatasetNeed(
             images=data._dataset(source, meta, np.arange(len(meta)), buckets, random_crop=False),
             sizes=data.bucket_sizes[buckets], samples=sample_ids(meta.filenames, source.image_root), identity=identity,
-            captions=captions, root_field=data.root_field(len(needs)),
+            captions=captions, root_field=data.root_field(len(needs)), tag_orders=source.tag_orders,
+            keep_tokens=source.keep_tokens,
         ))
     buckets = {"resolution": data.resolution, "alignment": data.alignment, "max_aspect": data.max_aspect}
     return CachePlan(data.cache, needs, buckets, *data.normalisation, storage_options=data.storage_options)

@@ -33,6 +33,7 @@ from lit_dist.cache.store import new_build_id
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.reading.crops import centre_crop
 from lit_dist.reading.presence import check_files_exist
+from lit_dist.reading.tags import ordered
 from lit_dist.reading.unreadable import BadImage
 from lit_dist.reading.workers import STOP_SIGNALS, Start, context, ignore_stop_signals
 from lit_dist.runtime.distributed import Comm
@@ -181,8 +182,9 @@ def _work(plan: CachePlan, found: list[dict], size: int) -> list[tuple[int, np.n
     """Batches of samples that some field lacks: (dataset, rows of one bucket, {field: mask of rows it lacks})."""
     batches = []
     for d, need in enumerate(plan.needs):
-        lacking = {name: found[d][name] < 0 for name in plan.fields}
-        todo = np.flatnonzero(np.logical_or.reduce(list(lacking.values())))
+        # Per row and field: (rows, entries per row), the caption field's entries being its tag orders.
+        lacking = {name: need.entries(name, found[d][name] < 0) for name in plan.fields}
+        todo = np.flatnonzero(np.logical_or.reduce([mask.any(1) for mask in lacking.values()]))
         if not len(todo):
             continue
         bucket = need.sizes[todo, 0].astype(np.int64) << 32 | need.sizes[todo, 1].astype(np.int64)
@@ -190,7 +192,9 @@ def _work(plan: CachePlan, found: list[dict], size: int) -> list[tuple[int, np.n
             rows = todo[bucket == b]
             for lo in range(0, len(rows), size):
                 chunk = rows[lo : lo + size]
-                batches.append((d, chunk, {name: mask[chunk] for name, mask in lacking.items()}))
+                # One flag per row and field; the caption field's per tag order.
+                batches.append((d, chunk, {name: mask[chunk] if name == "caption_encoder" else mask[chunk, 0]
+                                           for name, mask in lacking.items()}))
     return batches
 
 
@@ -287,9 +291,10 @@ class _Builder:
             crops = torch.from_numpy(np.stack([centre_crop(images[i], *size) for i in todo])).to(self.device)
             for i, array in zip(todo, _encode(self.encoder, crops, self.plan, dtype), strict=True):
                 made["encoder"][i] = array
-        for i in np.flatnonzero(lacking.get("caption_encoder", [])):  # encoded CAPTION_BATCH at a time, below
-            self.texts.append((int(need.samples[rows[i]]), int(need.keys["caption_encoder"][rows[i]]),
-                               need.captions[int(rows[i])].as_py() or ""))
+        for i, k in np.argwhere(lacking.get("caption_encoder", np.zeros((0, 1), bool))):  # CAPTION_BATCH at a time
+            entry = k * len(need.samples) + rows[i]  # tag order k of row rows[i]
+            text = ordered(need.captions[int(rows[i])].as_py() or "", int(k), need.keep_tokens)
+            self.texts.append((int(need.caption_samples[entry]), int(need.keys["caption_encoder"][entry]), text))
         if len(self.texts) >= CAPTION_BATCH:
             self.encode_captions()
         for name, arrays in made.items():

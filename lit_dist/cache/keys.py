@@ -70,6 +70,17 @@ def entry_keys(samples: np.ndarray, identity: np.ndarray, bucket_sizes: np.ndarr
     return _combine(h, _scalar(field_fingerprint))
 
 
+def caption_order(samples: np.ndarray, caption_hashes: np.ndarray, order: int, keep_tokens: int,
+                  rule: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sample ids and sources (``entry_keys``' identity) of captions' entries in tag order ``order``
+    (``reading/tags.py``; ``caption_hashes``: the texts' name_hashes). Order 0's are the caption's own, so a cache
+    built before orders existed serves it; another order is a sample of its own, whose source is the caption with
+    the order, keep_tokens and the shuffle's ``rule`` (never the shuffled text: no pass over the captions)."""
+    if order == 0:
+        return samples, caption_hashes
+    return _combine(samples, order), _combine(_combine(_combine(caption_hashes, order), keep_tokens), rule)
+
+
 def identity_hash(sizes: np.ndarray | None, mtimes: np.ndarray | None = None, etags=None) -> np.ndarray:
     """One uint64 per source file from its size and modification time (seconds, float; to the microsecond) or its
     ETag."""

@@ -17,6 +17,7 @@ from lit_dist.cache.reader import Coverage, FieldIndex
 from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import CacheStore
 from lit_dist.errors import DataError
+from lit_dist.reading import tags
 
 STORED_DTYPE = {"pixels": "uint8"}
 
@@ -31,7 +32,20 @@ class DatasetNeed:
     identity: np.ndarray | None = None  # uint64 version of each source file (size and mtime, or ETag); set by plan_for
     captions: object = None  # pyarrow strings, for a caption encoder
     root_field: tuple[str, str] = ("data.root", "")  # the config field of its image root, and how it is set
-    keys: dict[str, np.ndarray] = field(default_factory=dict)  # field -> uint64 key of each row
+    keys: dict[str, np.ndarray] = field(default_factory=dict)  # field -> uint64 key of each entry
+    # The caption field holds tag_orders entries per row, order-major (entry k * rows + row: reading/tags.py), each a
+    # sample of its own (caption_samples, set by the plan); order 0 is the caption as written.
+    tag_orders: int = 1
+    keep_tokens: int = 0
+    caption_samples: np.ndarray | None = None
+
+    def samples_of(self, name: str) -> np.ndarray:
+        """The uint64 id of each entry of field ``name``: one per row, or per row and tag order for captions."""
+        return self.caption_samples if name == "caption_encoder" else self.samples
+
+    def entries(self, name: str, found: np.ndarray) -> np.ndarray:
+        """``found`` (one value per entry of field ``name``) as (rows, entries per row)."""
+        return found.reshape(self.tag_orders, -1).T if name == "caption_encoder" else found[:, None]
 
 
 class CachePlan:
@@ -107,8 +121,13 @@ class CachePlan:
                                 "encoder: run `lit-dist cache --config <this config>`, which writes it")
 
     def _keys(self, need: DatasetNeed, name: str) -> np.ndarray:
-        if name == "caption_encoder":  # the caption's text is its source; the image and bucket play no part
-            return keys.entry_keys(need.samples, keys.name_hashes(need.captions), np.zeros_like(need.sizes),
+        if name == "caption_encoder":  # the caption's text (and tag order) is its source; not the image or bucket
+            hashes = keys.name_hashes(need.captions)
+            orders = [keys.caption_order(need.samples, hashes, k, need.keep_tokens, tags.RULE)
+                      for k in range(need.tag_orders)]
+            need.caption_samples = np.concatenate([samples for samples, _ in orders])
+            sources = np.concatenate([source for _, source in orders])
+            return keys.entry_keys(need.caption_samples, sources, np.zeros((len(sources), 2), need.sizes.dtype),
                                    self.fingerprints[name])
         return keys.entry_keys(need.samples, need.identity, need.sizes, self.fingerprints[name])
 
@@ -147,14 +166,16 @@ class CachePlan:
                                 f"run `lit-dist cache --config ... --check`, or rebuild") from exc
             self.indexes[name] = index
             for i, need in enumerate(self.needs):
-                found[i][name], cov = index.match(need.samples, need.keys[name])
+                found[i][name], cov = index.match(need.samples_of(name), need.keys[name])
                 coverage[name].add(cov)
         return found, coverage
 
     def views(self, found: list[dict]) -> list[dict]:
         """Per dataset, {batch key: FieldView} for the loader."""
-        views = [{self.batch_key(name): self.indexes[name].view(entries, self.dtype(name)) for name, entries in f.items()}
-                 for f in found]
+        views = [{self.batch_key(name): self.indexes[name].view(entries, self.dtype(name),
+                                                                 need.tag_orders if name == "caption_encoder" else 1)
+                  for name, entries in f.items()}
+                 for f, need in zip(found, self.needs, strict=True)]
         self.indexes = {}  # the sorted index (about 50 bytes per entry) is not kept: the views are what a run reads
         return views
 

@@ -129,13 +129,16 @@ class FieldIndex:
             coverage.other_configs = tuple(sorted(set(self.fingerprints[np.unique(self.shard[mine])].tolist())))
         return found, coverage
 
-    def view(self, found: np.ndarray, dtype: str) -> "FieldView":
+    def view(self, found: np.ndarray, dtype: str, orders: int = 1) -> "FieldView":
+        """The entries ``found`` (``match``'s) as a view; ``orders``: entries per row, order-major (caption tag
+        orders)."""
         ok = found >= 0
         entry = np.where(ok, found, 0)
         shard_type = np.int16 if len(self.shards) < 2**15 else np.int32  # 2 bytes a sample saved below 32 K shards
         if not len(self.shard):
             return FieldView(self.field, dtype, [], self.store.fs.storage_options, np.full(len(found), MISSING, shard_type),
-                             *(np.zeros(len(found), np.uint32) for _ in range(3)))  # three arrays, not one thrice
+                             *(np.zeros(len(found), np.uint32) for _ in range(3)),  # three arrays, not one thrice
+                             orders=orders)
         return FieldView(
             self.field, dtype, [self.store.shard_url(self.field, s["name"]) for s in self.shards],
             self.store.fs.storage_options,
@@ -144,6 +147,7 @@ class FieldIndex:
             np.where(ok, self.length[entry], 0).astype(np.uint32),
             np.where(ok, self.crc[entry], 0).astype(np.uint32),
             [{k: s[k] for k in ENCODING_KEYS if k in s} for s in self.shards],
+            orders=orders,
         )
 
 
@@ -152,27 +156,39 @@ class MissingEntry(BadSample):
 
 
 class FieldView:
-    """One field's entries for the samples of one dataset, by table position; safe to pickle to loader workers."""
+    """One field's entries for the samples of one dataset, by table position; safe to pickle to loader workers.
+    A caption field holds ``orders`` entries per sample (its tag orders, reading/tags.py), order-major."""
 
     outage_deadline_s = outage.DEADLINE_S  # how long a read waits out a store that does not answer (the dataset sets its own)
 
     def __init__(self, field: str, dtype: str, urls: list[str], storage_options: dict, shard: np.ndarray,
-                 offset: np.ndarray, length: np.ndarray, crc: np.ndarray, encodings: list[dict] | None = None):
+                 offset: np.ndarray, length: np.ndarray, crc: np.ndarray, encodings: list[dict] | None = None,
+                 orders: int = 1):
         self.field, self.dtype, self.urls, self.storage_options = field, dtype, urls, storage_options
         self.shard, self.offset, self.length, self.crc = shard, offset, length, crc
         self.encodings = encodings or [{}] * len(urls)  # per shard, from its manifest entry (shards.decode)
+        self.orders = orders
         self._files, self._pid, self._fs = {}, None, None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}, "_pid": None, "_fs": None}
 
-    def take(self, positions: np.ndarray) -> "FieldView":
-        """The entries of ``positions`` only (for a split pickled to a spawned worker)."""
-        return FieldView(self.field, self.dtype, self.urls, self.storage_options, self.shard[positions],
-                         self.offset[positions], self.length[positions], self.crc[positions], self.encodings)
+    @property
+    def rows(self) -> int:
+        return len(self.shard) // self.orders
 
-    def read(self, position: int) -> np.ndarray:
-        """The cached array of the sample at table ``position``; MissingEntry or CorruptEntry otherwise."""
+    def take(self, positions: np.ndarray) -> "FieldView":
+        """The entries of ``positions`` only (for a split pickled to a spawned worker), every order of each."""
+        if self.orders > 1:
+            positions = np.concatenate([np.asarray(positions) + k * self.rows for k in range(self.orders)])
+        return FieldView(self.field, self.dtype, self.urls, self.storage_options, self.shard[positions],
+                         self.offset[positions], self.length[positions], self.crc[positions], self.encodings,
+                         self.orders)
+
+    def read(self, position: int, order: int = 0) -> np.ndarray:
+        """The cached array of the sample at table ``position`` (in tag order ``order``); MissingEntry or
+        CorruptEntry otherwise."""
+        position += order * self.rows
         shard = int(self.shard[position])
         length = int(self.length[position])
         if shard < 0 or length == 0:

@@ -69,6 +69,9 @@ class BucketDataModule(LightningDataModule):
         caption_column: str | None = None,
         label_column: str | None = None,
         webdataset: str | list[str] | None = None,
+        caption_dropout: float | None = None,
+        tag_orders: int = 1,
+        keep_tokens: int = 0,
         num_workers: int = 2,
         worker_start: Start = "auto",
         seed: int = 0,
@@ -107,9 +110,12 @@ class BucketDataModule(LightningDataModule):
             preserve_cache: With scan_root: use the cached index as it is, without rescanning the folder.
             hf_dataset: Instead of metadata: a Hugging Face dataset: a save_to_disk folder (local or URL), parquet files with an image column, or a hub id.
             image_column: With hf_dataset: the column of the images (datasets.Image or bytes).
-            caption_column: With hf_dataset: the column of the captions; default caption, text or prompt if present.
+            caption_column: The column of the captions; default caption (with hf_dataset: caption, text or prompt, whichever it has).
             label_column: With hf_dataset: the column of the labels; default label if present.
             webdataset: Instead of metadata: WebDataset tar shards, a brace pattern or a list (local or URLs).
+            caption_dropout: Share of the training captions replaced by the empty caption; default: model.objective.condition_dropout.
+            tag_orders: Orders of each caption's comma-separated tags that training draws from: as written and tag_orders - 1 shuffles, each cached once.
+            keep_tokens: With tag_orders > 1: this many leading tags stay in front, in their order.
             num_workers: Loader worker processes per device; 0 loads in the training process.
             worker_start: How loader workers start: auto is fork, or forkserver on Pythons whose fork can hang (docs/data.md).
             seed: Seed of the data order and random crops; the order depends only on (seed, epoch).
@@ -134,7 +140,8 @@ class BucketDataModule(LightningDataModule):
             sources = list(datasets)
         else:
             sources = [DatasetSource(metadata, scan_root, root, 1.0, repeats, labels_from_folders, index_cache,
-                                     hf_dataset, image_column, caption_column, label_column, webdataset)]
+                                     hf_dataset, image_column, caption_column, label_column, webdataset,
+                                     caption_dropout, tag_orders, keep_tokens)]
         for i, source in enumerate(sources):
             problems += source.problems(f"data.datasets[{i}]" if datasets else "data")
         if batch_size_per_device < 1:
@@ -258,8 +265,11 @@ class BucketDataModule(LightningDataModule):
         for source in self.sources:
             # The index of a scan or a Hugging Face dataset is on local or home storage, not behind storage_options.
             options = self.storage_options if not source.indexed else None
+            # A Hugging Face dataset's index names its captions `caption` whatever its column (chosen at indexing).
+            captions = source.caption_column if source.hf_dataset is None else None
             meta = read_metadata(source.table_path, options, extra_columns=self.extra_columns, strict=self.strict,
-                                 val_fraction=self.val_fraction, identity=self.cache is not None)
+                                 val_fraction=self.val_fraction, identity=self.cache is not None,
+                                 caption_column=captions)
             if meta.bad.total:
                 rank_zero_warn(f"lit-dist: skipped {meta.bad.total} bad rows of {source.table_path}: {meta.bad.summary()}")
             parts.append((meta, meta.bucket_ids(self.bucket_sizes), meta.splits))
@@ -299,7 +309,7 @@ class BucketDataModule(LightningDataModule):
         for code, split in enumerate(("train", "val", "test", "predict")):
             chosen = [np.flatnonzero(splits == code) if code < 3 else np.arange(len(meta)) for meta, _, splits in parts]
             datasets = [self._dataset(source, meta, rows, buckets[rows], self.random_crop and split == "train", view, fill,
-                                      size)
+                                      size, source.caption_rule if split == "train" else None)
                         for source, (meta, buckets, _), rows, view, fill, size in zip(self.sources, parts, chosen, views,
                                                                                      fills, sizes, strict=True)]
             self._splits[split] = self._combine(datasets)
@@ -369,8 +379,9 @@ class BucketDataModule(LightningDataModule):
         return MixedDataset(datasets, groups)
 
     def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool, cache: dict | None = None,
-                 fill=None, sizes: np.ndarray | None = None):
+                 fill=None, sizes: np.ndarray | None = None, captions=None):
         from lit_dist.data.dataset import BucketImageDataset
+        from lit_dist.reading.tags import CaptionRule
 
         # Only encoder outputs cached: batches carry them instead of images, and no image is opened.
         load_images = cache is None or "pixels" in cache or not cache
@@ -393,6 +404,7 @@ class BucketDataModule(LightningDataModule):
             fill=fill,
             sizes=sizes,
             members=meta.members,
+            captions=captions if captions != CaptionRule() else None,  # the default changes nothing: no work
         )
 
     # -- cache ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from lit_dist.ckpt.files import is_local
 from lit_dist.reading.crops import centre_crop, centre_offsets, covering_size, crop_offsets
 from lit_dist.reading.decode import covering as decode_covering
 from lit_dist.reading.decode import guard_against_bombs, reason
+from lit_dist.reading.tags import CaptionRule, ordered
 from lit_dist.reading.unreadable import (
     MISSING,
     BadImage,
@@ -36,7 +37,9 @@ class BucketImageDataset(torch.utils.data.Dataset):
     table has labels, ``row`` (B,) int64, the metadata table row of each sample, and ``weight``
     (B,) float32: 0 for padding that evaluation metrics must not count. Given ``sizes``, also ``time_ids`` (B, 6)
     float32: each image's original height and width, its crop's top and left in the covering image, and the
-    bucket's height and width (SDXL's size and crop conditioning, in its order).
+    bucket's height and width (SDXL's size and crop conditioning, in its order). Given ``captions`` (training's
+    ``CaptionRule``): each sample's cached caption and ``caption`` text in its tag order, and ``caption_dropout``
+    (B,) float32 where its dataset sets its own rate.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         fill=None,
         sizes: np.ndarray | None = None,
         members: np.ndarray | None = None,
+        captions: CaptionRule | None = None,
     ):
         self.url = root
         self.storage_options = storage_options or {}
@@ -87,6 +91,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
         # (N, 2) int64 (offset, length) by table position: each image is a byte range of the file its name's part
         # before "#" names (a Hugging Face dataset's Arrow file, a tar shard), not a file of its own.
         self.members = members
+        # Training's: each sample's tag order (its cached caption and its caption text), its dataset's caption dropout.
+        self.captions = captions
         self._ranges = None  # reading.members.Members, made on the first read in each process
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
         self._logged: set[int] = set()  # bad samples already reported by this process
@@ -133,6 +139,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         arrays: dict[str, list[tuple[int, np.ndarray]]] = {}  # batch key -> (slot, array) of the samples that have it
         used = np.empty(len(indices), dtype=np.int64)
         time_ids = np.empty((len(indices), 6), dtype=np.float32) if self.sizes is not None else None
+        orders = np.zeros(len(indices), dtype=np.int64)  # each sample's tag order (reading/tags.py)
         failures = 0
         # Images that are byte ranges of larger files, decoded here (no pixel cache): neighbours read together.
         decoded = self.members is not None and self.load_images and "pixels" not in self.cache
@@ -144,6 +151,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
                 images[slot] = sample.pop("image")
             if self.sizes is not None:
                 time_ids[slot] = sample.pop("time_ids")
+            orders[slot] = sample.pop("_tag_order", 0)
             for key, array in sample.items():
                 arrays.setdefault(key, []).append((slot, array))
         batch = {
@@ -166,6 +174,13 @@ class BucketImageDataset(torch.utils.data.Dataset):
             batch["label"] = torch.from_numpy(self.labels[at])
         for name, column in self.extra.items():
             batch[name] = _column_batch(column.take(at))
+        if self.captions is not None:
+            if orders.any() and "caption" in batch:  # the text of the order each sample's cached caption is in
+                keep = self.captions.keep_tokens
+                batch["caption"] = [ordered(t, int(k), keep) if t else t
+                                    for t, k in zip(batch["caption"], orders, strict=True)]
+            if self.captions.caption_dropout is not None:  # this dataset's rate: the objective reads it
+                batch["caption_dropout"] = torch.full((len(indices),), self.captions.caption_dropout)
         return batch
 
     def _load(self, index: int, epoch: int, width: int, height: int, together: dict) -> tuple[int, int, dict]:
@@ -199,13 +214,16 @@ class BucketImageDataset(torch.utils.data.Dataset):
     def _sample(self, index: int, epoch: int, width: int, height: int, data: bytes | None = None) -> dict[str, np.ndarray]:
         position = int(self.positions[index])
         sample, encode, crop = {}, False, None
+        order = self.captions.order(self.seed, epoch, index) if self.captions is not None else 0
+        if order:
+            sample["_tag_order"] = order
         for key, view in self.cache.items():
             if key == "pixels":
                 continue
             if self.fill is not None and view.shard[position] < 0:
                 encode = True  # ondemand: the device encodes it, from the centre crop sent along
             else:
-                sample[key] = view.read(position)
+                sample[key] = view.read(position, order if view.orders > 1 else 0)
         if self.load_images or encode:
             pixels = self.cache.get("pixels")
             if pixels is not None and not (self.fill is not None and pixels.shard[position] < 0):

@@ -125,6 +125,7 @@ def read_metadata(
     strict: bool = False,
     val_fraction: float = 0.0,
     identity: bool = False,
+    caption_column: str | None = None,
 ) -> Metadata:
     """Read, check and clean a metadata table.
 
@@ -132,6 +133,7 @@ def read_metadata(
         path: File, folder or glob, local or fsspec URL.
         storage_options: fsspec options (endpoint, region; credentials come from the environment).
         extra_columns: Columns passed through to batches; None: ``caption`` if the table has it.
+        caption_column: The column read as the captions, passed to batches as ``caption``; None: ``caption``.
         strict: Raise on any bad row instead of skipping it.
         val_fraction: Share of rows for validation, by filename hash, when the table has no split column.
         identity: Also read each file's version (bytes and mtime, or etag columns) into ``Metadata.identity``.
@@ -154,8 +156,14 @@ def read_metadata(
             f"data.metadata = {path!r} lacks the required column(s) {', '.join(missing)} (it has: "
             f"{', '.join(schema.names)}). Add them: filename relative to data.root, width and height in pixels."
         )
+    renamed = caption_column not in (None, "caption")
+    if renamed and caption_column not in schema.names:
+        raise DataError(f"caption_column = {caption_column!r}: {path!r} has no such column (it has: "
+                        f"{', '.join(schema.names)})")
     if extra_columns is None:
         extra_columns = ["caption"] if "caption" in schema.names else []
+    if renamed:  # the captions travel as `caption` whatever the table calls them
+        extra_columns = [c for c in extra_columns if c not in ("caption", caption_column)] + [caption_column]
     absent = [c for c in extra_columns if c not in schema.names]
     if absent:
         raise DataError(f"data.extra_columns names {absent}, which {path!r} lacks (it has: {', '.join(schema.names)})")
@@ -167,8 +175,11 @@ def read_metadata(
                             path, outage.DEADLINE_S)
     except _unreadable() as exc:
         raise DataError(f"data.metadata = {path!r}: cannot read the table ({exc})") from exc
-    return clean_table(table, source=path, extra_columns=extra_columns, strict=strict, val_fraction=val_fraction,
+    meta = clean_table(table, source=path, extra_columns=extra_columns, strict=strict, val_fraction=val_fraction,
                        identity=identity)
+    if renamed:
+        meta.extra["caption"] = meta.extra.pop(caption_column)
+    return meta
 
 
 def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: bool = False,

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from lit_dist.errors import DataError
+from lit_dist.reading.tags import CaptionRule
 
 SOURCE_FIELDS = ("metadata", "scan_root", "hf_dataset", "webdataset")  # where a dataset's rows come from: one of them
 
@@ -31,9 +32,12 @@ class DatasetSource:
         index_cache: With scan_root or hf_dataset: where the index is kept; default ~/.cache/lit-dist/.
         hf_dataset: Instead of metadata: a Hugging Face dataset: a save_to_disk folder (local or URL), parquet files with an image column, or a hub id.
         image_column: With hf_dataset: the column of the images (datasets.Image or bytes).
-        caption_column: With hf_dataset: the column of the captions; default caption, text or prompt if present.
+        caption_column: The column of the captions; default caption (with hf_dataset: caption, text or prompt, whichever it has).
         label_column: With hf_dataset: the column of the labels; default label if present.
         webdataset: Instead of metadata: WebDataset tar shards, a brace pattern or a list (local or URLs).
+        caption_dropout: Share of this dataset's training captions replaced by the empty caption; default: model.objective.condition_dropout.
+        tag_orders: Orders of each caption's comma-separated tags that training draws from: as written and tag_orders - 1 shuffles, each cached once.
+        keep_tokens: With tag_orders > 1: this many leading tags stay in front, in their order.
     """
 
     metadata: str | None = None
@@ -48,6 +52,9 @@ class DatasetSource:
     caption_column: str | None = None
     label_column: str | None = None
     webdataset: str | list[str] | None = None
+    caption_dropout: float | None = None
+    tag_orders: int = 1
+    keep_tokens: int = 0
 
     def problems(self, where: str) -> list[str]:
         out = []
@@ -64,7 +71,21 @@ class DatasetSource:
             out.append(f"{where}.weight = {self.weight}: must be > 0")
         if self.repeats < 1:
             out.append(f"{where}.repeats = {self.repeats}: must be >= 1")
+        if self.caption_dropout is not None and not 0.0 <= self.caption_dropout < 1.0:
+            out.append(f"{where}.caption_dropout = {self.caption_dropout}: must be in [0, 1)")
+        if self.tag_orders < 1:
+            out.append(f"{where}.tag_orders = {self.tag_orders}: must be >= 1 (1: captions as written)")
+        if self.keep_tokens < 0:
+            out.append(f"{where}.keep_tokens = {self.keep_tokens}: must be >= 0")
+        elif self.keep_tokens and self.tag_orders == 1:
+            out.append(f"{where}.keep_tokens = {self.keep_tokens} keeps tags in front of shuffled ones, and "
+                       f"{where}.tag_orders is 1 (captions as written): set tag_orders (e.g. 4), or remove keep_tokens")
         return out
+
+    @property
+    def caption_rule(self) -> CaptionRule:
+        """What training does to this dataset's captions."""
+        return CaptionRule(self.tag_orders, self.keep_tokens, self.caption_dropout)
 
     @property
     def table_path(self) -> str:

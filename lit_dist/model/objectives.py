@@ -153,7 +153,12 @@ class Generative(Objective):
             self.condition_key = {"caption": "caption_embedding", "label": target_key, "none": None}[self.condition]
 
     def condition_of(self, batch: dict, train: bool) -> conditions.Condition:
-        """The batch's condition; in training, each sample's dropped with probability condition_dropout."""
+        """The batch's condition; in training, each sample's dropped with probability condition_dropout, or its
+        dataset's own (data.caption_dropout: the batch's ``caption_dropout``)."""
+        rate = batch.get("caption_dropout") if train else None
+        if rate is not None and self.condition != "caption":
+            raise ConfigError(f"data.caption_dropout drops captions, and model.objective.condition = {self.condition}:"
+                              " remove caption_dropout from the data config (condition_dropout drops labels)")
         if self.condition == "none":
             return None
         if self.condition_key not in batch:
@@ -161,9 +166,11 @@ class Generative(Objective):
                               f"{self.condition_key!r}, and the batches hold {sorted(batch)}: set "
                               "model.objective.condition_key, or data.cache.caption_key for cached captions")
         cond = batch[self.condition_key]
-        if not train or self.condition_dropout == 0:
+        if not train or (self.condition_dropout == 0 and rate is None):
             return cond
-        drop = torch.rand(conditions.size(cond), device=conditions.device(cond)) < self.condition_dropout
+        device = conditions.device(cond)
+        drop = torch.rand(conditions.size(cond), device=device) < (self.condition_dropout if rate is None
+                                                                    else rate.to(device))
         if self.condition == "label":
             return torch.where(drop, torch.full_like(cond, self.null_label), cond)
         # "No caption" is the empty caption as the family's pipeline encodes it, which the data module sends beside
@@ -264,7 +271,7 @@ class FlowMatching(Generative):
         Args:
             condition: What the denoiser is conditioned on: caption (embeddings from the cache), label or none.
             condition_key: Batch key of the condition; default: data.cache.caption_key's default, or model.target_key.
-            condition_dropout: Probability a training sample's condition is dropped, for classifier-free guidance.
+            condition_dropout: Probability a training sample's condition is dropped, for classifier-free guidance (a dataset's data caption_dropout wins for its samples).
             null_label: With labels: the label that stands for "no label" (the denoiser's number of classes).
             timesteps: Training time distribution: uniform, or logit_normal (SD3's default).
             logit_mean: Mean of the normal behind logit_normal times.
@@ -344,7 +351,7 @@ class Diffusion(Generative):
             snr_gamma: Min-SNR-gamma loss weighting (5 is usual); null: every timestep weighs the same.
             condition: What the denoiser is conditioned on: caption (embeddings from the cache), label or none.
             condition_key: Batch key of the condition; default: data.cache.caption_key's default, or model.target_key.
-            condition_dropout: Probability a training sample's condition is dropped, for classifier-free guidance.
+            condition_dropout: Probability a training sample's condition is dropped, for classifier-free guidance (a dataset's data caption_dropout wins for its samples).
             null_label: With labels: the label that stands for "no label" (the denoiser's number of classes).
             timesteps: Training timestep distribution: uniform, or logit_normal.
             logit_mean: Mean of the normal behind logit_normal timesteps.

@@ -38,17 +38,24 @@ class PooledEncoder(nn.Module):
 
 
 class ByteCaptionEncoder(nn.Module):
-    """Captions -> (B, dim): the mean of a seeded embedding of each caption's bytes. A caption holding ``unreadable``
-    raises OSError, as an encoder whose files went missing after the cache was built would."""
+    """Captions -> (B, dim): the mean of a seeded embedding of each caption's bytes (``ordered``: each weighted by its
+    position, so that the same words in another order encode differently). A caption holding ``unreadable`` raises
+    OSError, as an encoder whose files went missing after the cache was built would."""
 
-    def __init__(self, dim: int = 8, seed: int = 0, unreadable: str | None = None):
+    def __init__(self, dim: int = 8, seed: int = 0, unreadable: str | None = None, ordered: bool = False):
         super().__init__()
         self.table = nn.Embedding(256, dim)
-        self.unreadable = unreadable
+        self.unreadable, self.ordered = unreadable, ordered
         with torch.no_grad():
             self.table.weight.copy_(torch.randn(256, dim, generator=torch.Generator().manual_seed(seed)))
 
     def forward(self, texts: list[str]) -> torch.Tensor:
         if self.unreadable and any(self.unreadable in t for t in texts):
             raise OSError(f"[Errno 2] No such file or directory: 'tokenizer/{self.unreadable}.json'")
-        return torch.stack([self.table(torch.tensor(list(t.encode()) or [0])).mean(0) for t in texts])  # (B, dim)
+        out = []
+        for text in texts:
+            embedded = self.table(torch.tensor(list(text.encode()) or [0]))  # (bytes, dim)
+            if self.ordered:
+                embedded = embedded * torch.linspace(1.0, 2.0, len(embedded))[:, None]
+            out.append(embedded.mean(0))
+        return torch.stack(out)  # (B, dim)

@@ -1,7 +1,6 @@
 """Caches of resized pixels and encoder outputs: built once, read instead of decoding, never stale."""
 
 import json
-import os
 import shutil
 import zlib
 
@@ -17,7 +16,7 @@ from lit_dist.cache.store import CacheStore
 from lit_dist.cli.commands.cache import check_cache
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, DataError
-from tests.helpers.cache import data_module
+from tests.helpers.cache import add_identity_columns, data_module, identity_table
 
 ENCODER = {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"channels": 4, "seed": 0}}
 
@@ -25,19 +24,7 @@ ENCODER = {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"ch
 @pytest.fixture
 def data(tmp_path):
     """120 demo images whose table has bytes and mtime columns (as scans write them); returns the table path."""
-    from lit_dist.data.demo.shapes import create_shapes_dataset
-
-    path = tmp_path / "shapes" / "metadata.parquet"
-    create_shapes_dataset(str(path), num_images=120, seed=1)
-    add_identity_columns(path)
-    return path
-
-
-def add_identity_columns(path) -> None:
-    table = pq.read_table(path)
-    stats = [os.stat(path.parent / name) for name in table.column("filename").to_pylist()]
-    table = table.append_column("bytes", pa.array([s.st_size for s in stats], pa.int64()))
-    pq.write_table(table.append_column("mtime", pa.array([s.st_mtime for s in stats], pa.float64())), path)
+    return identity_table(tmp_path)
 
 
 def cache_config(tmp_path, **overrides) -> CacheConfig:
