@@ -18,6 +18,7 @@ import json
 
 import numpy as np
 
+from lit_dist.reading import tags
 from lit_dist.reading.hashing import GOLDEN_GAMMA, MIX1, MIX2
 from lit_dist.reading.names import name_hashes
 from lit_dist.reading.presence import mtime
@@ -70,15 +71,15 @@ def entry_keys(samples: np.ndarray, identity: np.ndarray, bucket_sizes: np.ndarr
     return _combine(h, _scalar(field_fingerprint))
 
 
-def caption_order(samples: np.ndarray, caption_hashes: np.ndarray, order: int, keep_tokens: int,
-                  rule: int) -> tuple[np.ndarray, np.ndarray]:
+def caption_order(samples: np.ndarray, caption_hashes: np.ndarray, order: int,
+                  keep_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """The sample ids and sources (``entry_keys``' identity) of captions' entries in tag order ``order``
     (``reading/tags.py``; ``caption_hashes``: the texts' name_hashes). Order 0's are the caption's own, so a cache
     built before orders existed serves it; another order is a sample of its own, whose source is the caption with
-    the order, keep_tokens and the shuffle's ``rule`` (never the shuffled text: no pass over the captions)."""
+    the order, keep_tokens and the shuffle's ``tags.RULE`` (never the shuffled text: no pass over the captions)."""
     if order == 0:
         return samples, caption_hashes
-    return _combine(samples, order), _combine(_combine(_combine(caption_hashes, order), keep_tokens), rule)
+    return _combine(samples, order), _combine(_combine(_combine(caption_hashes, order), keep_tokens), tags.RULE)
 
 
 def identity_hash(sizes: np.ndarray | None, mtimes: np.ndarray | None = None, etags=None) -> np.ndarray:

@@ -17,7 +17,6 @@ from lit_dist.cache.reader import Coverage, FieldIndex
 from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import CacheStore
 from lit_dist.errors import DataError
-from lit_dist.reading import tags
 
 STORED_DTYPE = {"pixels": "uint8"}
 
@@ -39,13 +38,17 @@ class DatasetNeed:
     keep_tokens: int = 0
     caption_samples: np.ndarray | None = None
 
+    def orders(self, name: str) -> int:
+        """Entries per row of field ``name``: its tag orders for captions, else one."""
+        return self.tag_orders if name == "caption_encoder" else 1
+
     def samples_of(self, name: str) -> np.ndarray:
-        """The uint64 id of each entry of field ``name``: one per row, or per row and tag order for captions."""
+        """The uint64 id of each entry of field ``name``, order-major."""
         return self.caption_samples if name == "caption_encoder" else self.samples
 
     def entries(self, name: str, found: np.ndarray) -> np.ndarray:
         """``found`` (one value per entry of field ``name``) as (rows, entries per row)."""
-        return found.reshape(self.tag_orders, -1).T if name == "caption_encoder" else found[:, None]
+        return found.reshape(self.orders(name), -1).T
 
 
 class CachePlan:
@@ -123,8 +126,7 @@ class CachePlan:
     def _keys(self, need: DatasetNeed, name: str) -> np.ndarray:
         if name == "caption_encoder":  # the caption's text (and tag order) is its source; not the image or bucket
             hashes = keys.name_hashes(need.captions)
-            orders = [keys.caption_order(need.samples, hashes, k, need.keep_tokens, tags.RULE)
-                      for k in range(need.tag_orders)]
+            orders = [keys.caption_order(need.samples, hashes, k, need.keep_tokens) for k in range(need.tag_orders)]
             need.caption_samples = np.concatenate([samples for samples, _ in orders])
             sources = np.concatenate([source for _, source in orders])
             return keys.entry_keys(need.caption_samples, sources, np.zeros((len(sources), 2), need.sizes.dtype),
@@ -172,8 +174,7 @@ class CachePlan:
 
     def views(self, found: list[dict]) -> list[dict]:
         """Per dataset, {batch key: FieldView} for the loader."""
-        views = [{self.batch_key(name): self.indexes[name].view(entries, self.dtype(name),
-                                                                 need.tag_orders if name == "caption_encoder" else 1)
+        views = [{self.batch_key(name): self.indexes[name].view(entries, self.dtype(name), need.orders(name))
                   for name, entries in f.items()}
                  for f, need in zip(found, self.needs, strict=True)]
         self.indexes = {}  # the sorted index (about 50 bytes per entry) is not kept: the views are what a run reads

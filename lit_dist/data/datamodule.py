@@ -381,7 +381,6 @@ class BucketDataModule(LightningDataModule):
     def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool, cache: dict | None = None,
                  fill=None, sizes: np.ndarray | None = None, captions=None):
         from lit_dist.data.dataset import BucketImageDataset
-        from lit_dist.reading.tags import CaptionRule
 
         # Only encoder outputs cached: batches carry them instead of images, and no image is opened.
         load_images = cache is None or "pixels" in cache or not cache
@@ -404,7 +403,7 @@ class BucketDataModule(LightningDataModule):
             fill=fill,
             sizes=sizes,
             members=meta.members,
-            captions=captions if captions != CaptionRule() else None,  # the default changes nothing: no work
+            captions=captions,
         )
 
     # -- cache ------------------------------------------------------------------------------

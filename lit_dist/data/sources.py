@@ -83,9 +83,11 @@ class DatasetSource:
         return out
 
     @property
-    def caption_rule(self) -> CaptionRule:
-        """What training does to this dataset's captions."""
-        return CaptionRule(self.tag_orders, self.keep_tokens, self.caption_dropout)
+    def caption_rule(self) -> CaptionRule | None:
+        """What training does to this dataset's captions; None when it reads them as written, at the objective's
+        dropout."""
+        rule = CaptionRule(self.tag_orders, self.keep_tokens, self.caption_dropout)
+        return None if rule == CaptionRule() else rule
 
     @property
     def table_path(self) -> str:

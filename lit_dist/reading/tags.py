@@ -4,14 +4,14 @@ caption dropout (kohya's ``--shuffle_caption``, ``--keep_tokens`` and ``caption_
 
 Orders are a fixed few per caption, not a fresh shuffle every time, so that a caption cache holds each once: a
 cache of one encoding per caption would undo the shuffle, and encoding on every step would run the text encoders
-beside the model. Order 0 is the caption as written; order k > 0 keeps its first ``keep_tokens``
-tags in front and shuffles the others with a generator seeded by (k, the caption), the same text on every rank,
-process and resume. A training sample reads order ``sample_word(seed, epoch, index) % orders``, drawn as its crop
+beside the model. Order 0 is the caption as written; order k > 0 keeps its first ``keep_tokens`` tags in front and
+shuffles the others with a generator seeded by (k, the caption), the same text on every rank, process and resume. A training sample reads order ``sample_word(seed, epoch, index) % orders``, drawn as its crop
 is (a resumed run reads the same); evaluation reads order 0.
 
 The text of order k follows from (caption, k, keep_tokens) alone: the cache keys its entries by those
-(``cache.keys.caption_order``), never by the shuffled text, so a run's start needs no pass over its captions. The shuffle below
-is therefore part of the cache's format: changing it changes ``RULE``, which changes every key of an order k > 0.
+(``cache.keys.caption_order``), never by the shuffled text, so a run's start needs no pass over its captions. The
+shuffle below is therefore part of the cache's format: changing it changes ``RULE``, which changes every key of an
+order k > 0.
 """
 
 import random
