@@ -27,7 +27,7 @@ class Opened:
 
 def plan_for(data, parts: list):
     """The CachePlan of ``data`` (a BucketDataModule) read into ``parts``: every row, keyed for each cached field."""
-    from lit_dist.cache.keys import listed_identity, sample_ids
+    from lit_dist.cache.keys import listed_identity, mask_sources, sample_ids
     from lit_dist.cache.plan import CachePlan, DatasetNeed
 
     needs = []
@@ -39,11 +39,14 @@ def plan_for(data, parts: list):
         if data.cache.caption_encoder is not None and captions is None:
             raise DataError(f"data.cache.caption_encoder needs a caption column, and {source.table_path} has none "
                             "(or data.extra_columns leaves it out)")
+        images = data._dataset(source, meta, np.arange(len(meta)), buckets, random_crop=False)
+        masked = data.cache.encoder is not None and any(s.masked for s in data.sources)  # a mask field: every row
         needs.append(DatasetNeed(
-            images=data._dataset(source, meta, np.arange(len(meta)), buckets, random_crop=False),
-            sizes=data.bucket_sizes[buckets], samples=sample_ids(meta.filenames, source.image_root), identity=identity,
-            captions=captions, root_field=data.root_field(len(needs)), tag_orders=source.tag_orders,
-            keep_tokens=source.keep_tokens,
+            images=images, sizes=data.bucket_sizes[buckets], samples=sample_ids(meta.filenames, source.image_root),
+            identity=identity, captions=captions, root_field=data.root_field(len(needs)),
+            tag_orders=source.tag_orders, keep_tokens=source.keep_tokens, masks=images.masks,
+            mask_identity=mask_sources(identity, images.masks, source.image_root, data.storage_options) if masked
+            else None,
         ))
     buckets = {"resolution": data.resolution, "alignment": data.alignment, "max_aspect": data.max_aspect}
     return CachePlan(data.cache, needs, buckets, *data.normalisation, storage_options=data.storage_options)

@@ -32,6 +32,7 @@ from lit_dist.cache.plan import CachePlan
 from lit_dist.cache.store import new_build_id
 from lit_dist.errors import ConfigError, Preempted
 from lit_dist.reading.crops import centre_crop
+from lit_dist.reading.masks import full, to_grid
 from lit_dist.reading.presence import check_files_exist
 from lit_dist.reading.tags import ordered
 from lit_dist.reading.unreadable import BadImage
@@ -146,10 +147,12 @@ def decode_workers(plan: CachePlan, device: torch.device, num_workers: int) -> i
 
 
 def check_encoder(plan: CachePlan, device: torch.device) -> None:
-    """The encoder's output shapes on every bucket size of the run (see _check_encoder_shapes)."""
+    """The encoder's output shapes on every bucket size of the run (see _check_encoder_shapes); its grid per bucket
+    (width, height) kept in ``plan.grids``, which cached masks are made on."""
     if plan.config.encoder is not None:
         sizes = sorted({tuple(int(v) for v in s) for need in plan.needs for s in np.unique(need.sizes, axis=0)})
-        _check_encoder_shapes(plan, device, sizes)
+        shapes = _check_encoder_shapes(plan, device, sizes)
+        plan.grids = {size: shape[-2:] for size, shape in shapes.items() if len(shape) >= 3}
 
 
 def _drop_damaged(plan: CachePlan, comm: Comm, verify: bool) -> None:
@@ -209,9 +212,10 @@ def _share(work: list, rank: int, world: int) -> list:
     return [batch for batch, who in zip(work, owner, strict=True) if who == rank]
 
 
-def _check_encoder_shapes(plan: CachePlan, device: torch.device, sizes: list[tuple[int, int]]) -> None:
+def _check_encoder_shapes(plan: CachePlan, device: torch.device, sizes: list[tuple[int, int]]) -> dict:
     """Run the encoder once per bucket size on zeros: outputs must be (B, ...) tensors whose dimensions other than
-    the last two (spatial) agree between buckets, or no model could take them in one run."""
+    the last two (spatial) agree between buckets, or no model could take them in one run. Returns each size's
+    output shape per sample."""
     encoder = plan.encoder.to(device)
     shapes = {}
     with torch.inference_mode():
@@ -228,11 +232,17 @@ def _check_encoder_shapes(plan: CachePlan, device: torch.device, sizes: list[tup
         raise ConfigError(f"data.cache.encoder ({plan.config.encoder['class_path']}) returns outputs whose non-spatial "
                           f"dimensions differ between buckets ({listed}); a model cannot take them. Use an encoder "
                           "with a fixed channel count, or pool its output to a fixed size.")
+    if "mask" in plan.fields and any(len(s) < 3 for s in shapes.values()):
+        raise ConfigError(f"data.cache.encoder ({plan.config.encoder['class_path']}) returns {next(iter(shapes.values()))}"
+                          " per image, and the data has loss masks, which are cached on an encoder's spatial grid "
+                          "(C, h, w): cache a VAE's latents, or remove mask_column / alpha_mask")
+    return shapes
 
 
 class _Decode(torch.utils.data.Dataset):
-    """Loader-worker side of a build: the rows of batch j that need their image (pixels or encoder lacking),
-    decoded and resized to cover the bucket; and which rows could not be decoded."""
+    """Loader-worker side of a build: the rows of batch j that need their image (pixels, encoder or mask lacking),
+    decoded and resized to cover the bucket, with their masks where the mask is lacking; and which rows could not be
+    decoded."""
 
     def __init__(self, plan: CachePlan, work: list):
         self.images = [need.images for need in plan.needs]
@@ -245,16 +255,22 @@ class _Decode(torch.utils.data.Dataset):
     def __getitem__(self, j: int):
         d, rows, lacking = self.work[j]
         w, h = (int(v) for v in self.sizes[d][rows[0]])
-        wanted = lacking.get("pixels", False) | lacking.get("encoder", False)  # captions need no image
+        masks = lacking.get("mask", np.zeros(len(rows), bool))
+        wanted = lacking.get("pixels", False) | lacking.get("encoder", False) | masks  # captions need no image
         images, unreadable = [None] * len(rows), np.zeros(len(rows), dtype=bool)
+        masked = [None] * len(rows)
         together = self.images[d].read_together(rows[wanted])  # a batch's neighbours in a tar shard: one read
         for i in np.flatnonzero(wanted):
             try:
-                images[i] = self.images[d].covering(int(rows[i]), w, h, together.get(int(rows[i])))
+                data = together.get(int(rows[i]))
+                if masks[i]:
+                    images[i], masked[i] = self.images[d].covering_and_mask(int(rows[i]), w, h, data)
+                else:
+                    images[i] = self.images[d].covering(int(rows[i]), w, h, data)
             except BadImage as exc:  # unreadable source: recorded as such, replaced at load like any bad image
                 log.warning("lit-dist cache: cannot read %s (%s)", self.images[d]._path(int(rows[i])), exc)
                 unreadable[i] = True
-        return d, rows, lacking, (w, h), images, unreadable
+        return d, rows, lacking, (w, h), (images, masked), unreadable
 
 
 class _Builder:
@@ -280,12 +296,18 @@ class _Builder:
         """The caption encoder on this rank's device, loaded and moved when the first caption needs it (once)."""
         return self.plan.caption_encoder.to(self.device)
 
-    def add(self, d: int, rows: np.ndarray, lacking: dict, size: tuple[int, int], images: list, unreadable) -> None:
-
+    def add(self, d: int, rows: np.ndarray, lacking: dict, size: tuple[int, int], decoded: tuple,
+            unreadable) -> None:
         need, dtype = self.plan.needs[d], self.plan.config.encoder_dtype
+        images, masks = decoded  # per row: its covering image and loss mask, where decoded
         made = {name: [None] * len(rows) for name in lacking}  # None: a source that cannot be decoded
         if "pixels" in lacking:
             made["pixels"] = images
+        for i in np.flatnonzero(lacking.get("mask", [])):  # on the encoder's grid, from the crop the encoder sees
+            if not unreadable[i]:
+                grid = self.plan.grids[size]
+                mask = masks[i] if masks[i] is not None else full(*images[i].shape[:2])
+                made["mask"][i] = to_grid(centre_crop(mask, *size), *grid)
         todo = [i for i in np.flatnonzero(lacking.get("encoder", [])) if not unreadable[i]]
         if todo:
             crops = torch.from_numpy(np.stack([centre_crop(images[i], *size) for i in todo])).to(self.device)
@@ -387,8 +409,8 @@ def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, ou
     total = sum(len(rows) for _, rows, _ in mine)
     with tqdm(total=total, desc=f"lit-dist cache (rank {rank})", unit="img", disable=not progress or rank != 0,
               mininterval=2) as bar:
-        for d, rows, lacking, size, images, unreadable in loader:
-            builder.add(d, rows, lacking, size, images, unreadable)
+        for d, rows, lacking, size, decoded, unreadable in loader:
+            builder.add(d, rows, lacking, size, decoded, unreadable)
             bar.update(len(rows))
             if preempted is not None and preempted.received:
                 break

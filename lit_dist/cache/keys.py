@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 
-from lit_dist.reading import tags
+from lit_dist.reading import masks, tags
 from lit_dist.reading.hashing import GOLDEN_GAMMA, MIX1, MIX2
 from lit_dist.reading.names import name_hashes
 from lit_dist.reading.presence import mtime
@@ -80,6 +80,19 @@ def caption_order(samples: np.ndarray, caption_hashes: np.ndarray, order: int,
     if order == 0:
         return samples, caption_hashes
     return _combine(samples, order), _combine(_combine(_combine(caption_hashes, order), keep_tokens), tags.RULE)
+
+
+def mask_sources(identity: np.ndarray, source, root: str, storage_options: dict | None = None) -> np.ndarray:
+    """``entry_keys``' identity of each row's mask entry (``source``: its dataset's ``reading.masks.Masks``, None
+    without masks): an alpha mask's is its image's (``identity``) with a tag; a mask file's is the file's own, from
+    one listing of ``root`` as ``listed_identity``, with its name (another column, another key); a dataset without
+    masks has one for all its rows (their entries: all 255)."""
+    if source is None:
+        return np.full(len(identity), masks.NONE, np.uint64)
+    if source.alpha:
+        return _combine(identity, masks.ALPHA)
+    names = source.files.fill_null("")
+    return _combine(listed_identity(root, names, storage_options), name_hashes(names))
 
 
 def identity_hash(sizes: np.ndarray | None, mtimes: np.ndarray | None = None, etags=None) -> np.ndarray:

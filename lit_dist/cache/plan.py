@@ -18,7 +18,7 @@ from lit_dist.cache.shards import ShardWriter
 from lit_dist.cache.store import CacheStore
 from lit_dist.errors import DataError
 
-STORED_DTYPE = {"pixels": "uint8"}
+STORED_DTYPE = {"pixels": "uint8", "mask": "uint8"}
 
 
 @dataclass
@@ -37,6 +37,10 @@ class DatasetNeed:
     tag_orders: int = 1
     keep_tokens: int = 0
     caption_samples: np.ndarray | None = None
+    # Its loss masks (reading.masks.Masks; None: none) and each row's mask source (keys.mask_sources), in a run whose
+    # cache has a mask field: that of any dataset's masks beside an encoder's outputs.
+    masks: object = None
+    mask_identity: np.ndarray | None = None
 
     def orders(self, name: str) -> int:
         """Entries per row of field ``name``: its tag orders for captions, else one."""
@@ -65,8 +69,11 @@ class CachePlan:
 
         self._compute = TORCH_DTYPES[config.compute]  # the encoders' dtype, and so their inputs'
         self.fields = config.fields()
+        if "encoder" in self.fields and any(need.masks is not None for need in needs):
+            self.fields.append("mask")  # loss masks on the encoder's grid, beside its outputs (reading/masks.py)
         self._loaded: dict = {}  # field -> its encoder, loaded when first needed (a complete cache needs none)
         self.captions = None  # captions.Captions of a multi-field caption encoder, once read (read_captions)
+        self.grids: dict = {}  # bucket (width, height) -> the encoder output's (h, w), once checked (build.check_encoder)
         # The bucket settings are in every description: entries of another resolution are named as such.
         self.descriptions = {"pixels": {"field": "pixels", **keys.PIXEL_RULE, "buckets": buckets}}
         if config.encoder is not None:
@@ -75,6 +82,10 @@ class CachePlan:
             inputs = {"crop": "centre of the bucket-sized image", "mean": list(mean), "std": list(std)}
             self.descriptions["encoder"] = {**description(config.encoder, lambda: self.encoder, config.encoder_dtype,
                                                           compute=config.compute, **inputs), "buckets": buckets}
+        if "mask" in self.fields:
+            from lit_dist.reading.masks import MASK_RULE
+
+            self.descriptions["mask"] = {"field": "mask", **MASK_RULE, "encoder": self.descriptions["encoder"]}
         if config.caption_encoder is not None:
             from lit_dist.cache.encoders import description
 
@@ -131,6 +142,8 @@ class CachePlan:
             sources = np.concatenate([source for _, source in orders])
             return keys.entry_keys(need.caption_samples, sources, np.zeros((len(sources), 2), need.sizes.dtype),
                                    self.fingerprints[name])
+        if name == "mask":
+            return keys.entry_keys(need.samples, need.mask_identity, need.sizes, self.fingerprints[name])
         return keys.entry_keys(need.samples, need.identity, need.sizes, self.fingerprints[name])
 
     def normalised(self, crops: torch.Tensor) -> torch.Tensor:
@@ -152,7 +165,8 @@ class CachePlan:
 
     def batch_key(self, name: str) -> str:
         """The batch key a field's arrays travel under ("pixels" become the `image` crop)."""
-        return {"pixels": "pixels", "encoder": self.config.encoder_key, "caption_encoder": self.config.caption_key}[name]
+        return {"pixels": "pixels", "encoder": self.config.encoder_key, "caption_encoder": self.config.caption_key,
+                "mask": "mask"}[name]
 
     def match(self) -> tuple[list[dict], dict[str, Coverage]]:
         """Per dataset {field: entry positions in the index, -1 if none}, the indexes, and each field's coverage."""

@@ -72,6 +72,8 @@ class BucketDataModule(LightningDataModule):
         caption_dropout: float | None = None,
         tag_orders: int = 1,
         keep_tokens: int = 0,
+        mask_column: str | None = None,
+        alpha_mask: bool = False,
         num_workers: int = 2,
         worker_start: Start = "auto",
         seed: int = 0,
@@ -116,6 +118,8 @@ class BucketDataModule(LightningDataModule):
             caption_dropout: Share of the training captions replaced by the empty caption; default: model.objective.condition_dropout.
             tag_orders: Orders of each caption's comma-separated tags that training draws from: as written and tag_orders - 1 shuffles, each cached once.
             keep_tokens: With tag_orders > 1: this many leading tags stay in front, in their order.
+            mask_column: With metadata: the column of each image's loss mask, a path relative to root (white counts, black is ignored; empty: all counts).
+            alpha_mask: Each image's alpha channel is its loss mask (opaque counts; an image without alpha counts everywhere).
             num_workers: Loader worker processes per device; 0 loads in the training process.
             worker_start: How loader workers start: auto is fork, or forkserver on Pythons whose fork can hang (docs/data.md).
             seed: Seed of the data order and random crops; the order depends only on (seed, epoch).
@@ -141,7 +145,7 @@ class BucketDataModule(LightningDataModule):
         else:
             sources = [DatasetSource(metadata, scan_root, root, 1.0, repeats, labels_from_folders, index_cache,
                                      hf_dataset, image_column, caption_column, label_column, webdataset,
-                                     caption_dropout, tag_orders, keep_tokens)]
+                                     caption_dropout, tag_orders, keep_tokens, mask_column, alpha_mask)]
         for i, source in enumerate(sources):
             problems += source.problems(f"data.datasets[{i}]" if datasets else "data")
         if batch_size_per_device < 1:
@@ -160,6 +164,15 @@ class BucketDataModule(LightningDataModule):
             problems.append(f"data.mean = {list(mean)}, data.std = {list(std)}: need 3 values each, std > 0")
         if cache is not None:  # None: no cache, as in code that builds the module without the CLI
             problems += cache.problems()
+        masked = [prefix for prefix, source in zip(self._source_prefixes(bool(datasets), len(sources)), sources,
+                                                   strict=True) if source.masked]
+        if masked and cache is not None and cache.enabled and cache.pixels:
+            problems.append(f"{masked[0]} has loss masks, and data.cache.pixels is true: masks are cached beside "
+                            "encoder outputs (latents), not pixels; set data.cache.pixels: false (images and masks are "
+                            "then decoded each step)")
+        if masked and cache is not None and cache.enabled and cache.mode == "ondemand" and cache.encoder is not None:
+            problems.append(f"{masked[0]} has loss masks, and data.cache.mode is ondemand, which makes no masks: use "
+                            "data.cache.mode build (or read after `lit-dist cache`)")
         if size_conditions and (cache is None or cache.caption_encoder is None):
             problems.append("data.size_conditions = true gives the size conditions with a pipeline's cached captions, "
                             "and this run caches none: set pipeline.path (SDXL), or remove data.size_conditions")
@@ -172,7 +185,7 @@ class BucketDataModule(LightningDataModule):
 
         self.bucket_sizes = make_buckets(resolution, alignment, max_aspect)  # validates those three
         self.sources = sources
-        self._prefixes = [f"data.datasets[{i}]" if datasets else "data" for i in range(len(sources))]
+        self._prefixes = self._source_prefixes(bool(datasets), len(sources))
         self.metadata = metadata
         self.batch_size_per_device = batch_size_per_device
         self.random_crop = random_crop
@@ -209,6 +222,11 @@ class BucketDataModule(LightningDataModule):
         self._splits: dict = {}
         self._resume: dict | None = None
         self._train_sampler = None  # the fit's sampler: it owns the training position
+
+    @staticmethod
+    def _source_prefixes(listed: bool, count: int) -> list[str]:
+        """Where each dataset is configured, for messages: data.datasets[i], or data for the single one."""
+        return [f"data.datasets[{i}]" if listed else "data" for i in range(count)]
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -269,7 +287,7 @@ class BucketDataModule(LightningDataModule):
             captions = source.caption_column if source.hf_dataset is None else None
             meta = read_metadata(source.table_path, options, extra_columns=self.extra_columns, strict=self.strict,
                                  val_fraction=self.val_fraction, identity=self.cache is not None,
-                                 caption_column=captions)
+                                 caption_column=captions, mask_column=source.mask_column)
             if meta.bad.total:
                 rank_zero_warn(f"lit-dist: skipped {meta.bad.total} bad rows of {source.table_path}: {meta.bad.summary()}")
             parts.append((meta, meta.bucket_ids(self.bucket_sizes), meta.splits))
@@ -381,9 +399,11 @@ class BucketDataModule(LightningDataModule):
     def _dataset(self, source, meta, rows: np.ndarray, bucket_ids: np.ndarray, random_crop: bool, cache: dict | None = None,
                  fill=None, sizes: np.ndarray | None = None, captions=None):
         from lit_dist.data.dataset import BucketImageDataset
+        from lit_dist.reading.masks import Masks
 
-        # Only encoder outputs cached: batches carry them instead of images, and no image is opened.
-        load_images = cache is None or "pixels" in cache or not cache
+        # An image encoder's outputs cached (without pixels): batches carry them instead of images, and no image is
+        # opened (a cache of captions alone leaves the images to be decoded).
+        load_images = cache is None or "pixels" in cache or self.cache.encoder_key not in cache
         return BucketImageDataset(
             root=source.image_root,
             filenames=meta.filenames,
@@ -404,6 +424,7 @@ class BucketDataModule(LightningDataModule):
             sizes=sizes,
             members=meta.members,
             captions=captions,
+            masks=Masks(meta.masks, source.alpha_mask) if source.masked else None,
         )
 
     # -- cache ------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from lit_dist.cache.shards import from_stored
 from lit_dist.ckpt.files import is_local
 from lit_dist.reading.crops import centre_crop, centre_offsets, covering_size, crop_offsets
 from lit_dist.reading.decode import covering as decode_covering
-from lit_dist.reading.decode import guard_against_bombs, reason
+from lit_dist.reading.decode import covering_mask, covering_with_alpha, guard_against_bombs, reason
+from lit_dist.reading.masks import Masks, full
 from lit_dist.reading.tags import CaptionRule, ordered
 from lit_dist.reading.unreadable import (
     MISSING,
@@ -39,7 +40,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
     float32: each image's original height and width, its crop's top and left in the covering image, and the
     bucket's height and width (SDXL's size and crop conditioning, in its order). Given ``captions`` (training's
     ``CaptionRule``): each sample's cached caption and ``caption`` text in its tag order, and ``caption_dropout``
-    (B,) float32 where its dataset sets its own rate.
+    (B,) float32 where its dataset sets its own rate. Given ``masks``: ``mask`` (B, H, W) uint8, each image's loss
+    mask cropped as it is (255 counts), or from the cache beside its encoder outputs, on their grid.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         sizes: np.ndarray | None = None,
         members: np.ndarray | None = None,
         captions: CaptionRule | None = None,
+        masks: Masks | None = None,
     ):
         self.url = root
         self.storage_options = storage_options or {}
@@ -93,6 +96,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
         self.members = members
         # Training's: each sample's tag order (its cached caption and its caption text), its dataset's caption dropout.
         self.captions = captions
+        self.masks = masks  # where its loss masks come from (decoded with the images; a cache has them beside latents)
         self._ranges = None  # reading.members.Members, made on the first read in each process
         self._members: list[np.ndarray] | None = None  # per bucket, built on the first bad image only
         self._logged: set[int] = set()  # bad samples already reported by this process
@@ -129,6 +133,7 @@ class BucketImageDataset(torch.utils.data.Dataset):
                          cache={k: v.take(self.positions) for k, v in self.cache.items()},
                          fill=None if self.fill is None else self.fill.take(self.positions),
                          sizes=None if self.sizes is None else self.sizes[self.positions],
+                         masks=None if self.masks is None else self.masks.take(self.positions),
                          positions=np.arange(len(self.positions)), _members=None)
         return state
 
@@ -139,6 +144,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
         arrays: dict[str, list[tuple[int, np.ndarray]]] = {}  # batch key -> (slot, array) of the samples that have it
         used = np.empty(len(indices), dtype=np.int64)
         time_ids = np.empty((len(indices), 6), dtype=np.float32) if self.sizes is not None else None
+        # Decoded with the images; where they are not loaded, a cache holds the masks beside the encoder outputs.
+        masks = np.empty((len(indices), height, width), np.uint8) if self.masks is not None and self.load_images else None
         orders = np.zeros(len(indices), dtype=np.int64)  # each sample's tag order (reading/tags.py)
         failures = 0
         # Images that are byte ranges of larger files, decoded here (no pixel cache): neighbours read together.
@@ -151,6 +158,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
                 images[slot] = sample.pop("image")
             if self.sizes is not None:
                 time_ids[slot] = sample.pop("time_ids")
+            if masks is not None:
+                masks[slot] = sample.pop("mask")
             orders[slot] = sample.pop("_tag_order", 0)
             for key, array in sample.items():
                 arrays.setdefault(key, []).append((slot, array))
@@ -165,6 +174,8 @@ class BucketImageDataset(torch.utils.data.Dataset):
             batch["image"] = image  # (B, H, W, C) uint8
         if time_ids is not None:
             batch["time_ids"] = torch.from_numpy(time_ids)
+        if masks is not None:
+            batch["mask"] = torch.from_numpy(masks)
         at = self.positions[used]
         if self.fill is not None:  # data.cache.mode ondemand: what this batch made for the cache
             batch.update(self.fill.batch_parts(arrays, at, {k: v.dtype for k, v in self.cache.items()}))
@@ -225,16 +236,19 @@ class BucketImageDataset(torch.utils.data.Dataset):
             else:
                 sample[key] = view.read(position, order if view.orders > 1 else 0)
         if self.load_images or encode:
-            pixels = self.cache.get("pixels")
+            pixels, mask = self.cache.get("pixels"), None
             if pixels is not None and not (self.fill is not None and pixels.shard[position] < 0):
                 covering = pixels.read(position)
             else:
-                covering = self.covering(index, width, height, data)
+                # Masks never come with cached pixels (the data module refuses the two together).
+                covering, mask = self.covering_and_mask(index, width, height, data)
                 if pixels is not None:  # ondemand: the training process writes it to the cache
                     sample["_fill_pixels"] = (position, covering)
             if self.load_images:
                 left, top = self._offsets(covering.shape[1], covering.shape[0], width, height, epoch, index)
                 sample["image"] = covering[top : top + height, left : left + width]  # (H, W, C)
+                if mask is not None:
+                    sample["mask"] = mask[top : top + height, left : left + width]  # (H, W), cropped with its image
                 crop = left, top
             if encode:
                 sample["_encode_input"] = (position, centre_crop(covering, width, height))
@@ -265,19 +279,45 @@ class BucketImageDataset(torch.utils.data.Dataset):
 
         This is what a pixel cache stores: the crop is left to load time, so it varies as it does without one.
         """
+        return decode_covering(self._image_bytes(index, data), width, height)
+
+    def covering_and_mask(self, index: int, width: int, height: int,
+                          data: bytes | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """``covering`` and, where the dataset has masks, the image's loss mask at its covering size (H', W') uint8:
+        its alpha channel, or its mask file (a missing or undecodable one makes the sample bad), 255 where it has
+        none; None without masks."""
+        if self.masks is None:
+            return self.covering(index, width, height, data), None
+        if self.masks.alpha:
+            return covering_with_alpha(self._image_bytes(index, data), width, height)
+        covering = self.covering(index, width, height, data)
+        name = self.masks.name(int(self.positions[index]))
+        if name is None:
+            return covering, full(*covering.shape[:2])
+        path = f"{self.root}/{name}"
+        try:
+            with reading(path):
+                mask = outage.call(lambda: self._read_bytes(path), path, self.outage_deadline_s, self._who)
+        except MISSING as exc:
+            raise BadImage(f"its mask {name} is missing ({reason(exc)})") from exc
+        except PermissionError as exc:
+            raise permission_denied(path, exc) from exc
+        return covering, covering_mask(mask, (covering.shape[1], covering.shape[0]))
+
+    def _image_bytes(self, index: int, data: bytes | None) -> bytes:
+        """Image ``index``'s file bytes (``data`` where already read); a missing file is a bad image."""
         if data is not None:
-            return decode_covering(data, width, height)
+            return data
         path = self._path(index)
         read = self._read_bytes if self.members is None else self._member_reader(index)
         try:  # the bytes first: an error of the storage is told apart from bytes that do not decode
             with reading(path):  # a hang dump names the file
                 # An outage is waited out (the same file read once the store answers), never a bad image.
-                data = outage.call(lambda: read(path), path, self.outage_deadline_s, self._who)
+                return outage.call(lambda: read(path), path, self.outage_deadline_s, self._who)
         except MISSING as exc:
             raise BadImage(f"missing ({reason(exc)})") from exc
         except PermissionError as exc:
             raise permission_denied(path, exc) from exc
-        return decode_covering(data, width, height)
 
     def _read_bytes(self, path: str) -> bytes:
         fs = self._open_fs()

@@ -79,6 +79,7 @@ class Metadata:
     extra: dict = field(default_factory=dict)  # name -> pyarrow array, passed through to batches
     identity: np.ndarray | None = None  # uint64 per row from the bytes and mtime (or etag) columns, for caches
     members: np.ndarray | None = None  # (N, 2) int64 offset and length per row: images that are byte ranges of a file
+    masks: object = None  # pyarrow strings: each row's loss mask file (data mask_column), relative to the image root
     bad: BadRows = field(default_factory=BadRows)
     source: str = ""
 
@@ -126,6 +127,7 @@ def read_metadata(
     val_fraction: float = 0.0,
     identity: bool = False,
     caption_column: str | None = None,
+    mask_column: str | None = None,
 ) -> Metadata:
     """Read, check and clean a metadata table.
 
@@ -134,6 +136,7 @@ def read_metadata(
         storage_options: fsspec options (endpoint, region; credentials come from the environment).
         extra_columns: Columns passed through to batches; None: ``caption`` if the table has it.
         caption_column: The column read as the captions, passed to batches as ``caption``; None: ``caption``.
+        mask_column: The column of each image's loss mask file, read into ``Metadata.masks``; None: no masks.
         strict: Raise on any bad row instead of skipping it.
         val_fraction: Share of rows for validation, by filename hash, when the table has no split column.
         identity: Also read each file's version (bytes and mtime, or etag columns) into ``Metadata.identity``.
@@ -164,11 +167,15 @@ def read_metadata(
         extra_columns = ["caption"] if "caption" in schema.names else []
     if renamed:  # the captions travel as `caption` whatever the table calls them
         extra_columns = [c for c in extra_columns if c not in ("caption", caption_column)] + [caption_column]
+    if mask_column is not None and mask_column not in schema.names:
+        raise DataError(f"mask_column = {mask_column!r}: {path!r} has no such column (it has: "
+                        f"{', '.join(schema.names)})")
     absent = [c for c in extra_columns if c not in schema.names]
     if absent:
         raise DataError(f"data.extra_columns names {absent}, which {path!r} lacks (it has: {', '.join(schema.names)})")
     optional = ("label", "split", *MEMBER_COLUMNS, *(IDENTITY_COLUMNS if identity else ()))
-    wanted = [*REQUIRED_COLUMNS, *(c for c in optional if c in schema.names), *extra_columns]
+    wanted = [*REQUIRED_COLUMNS, *(c for c in optional if c in schema.names), *extra_columns,
+              *([mask_column] if mask_column is not None else [])]
     try:
         table = outage.call(lambda: pq.read_table(files if len(files) > 1 else files[0],
                                                   columns=list(dict.fromkeys(wanted)), filesystem=fs),
@@ -176,14 +183,14 @@ def read_metadata(
     except _unreadable() as exc:
         raise DataError(f"data.metadata = {path!r}: cannot read the table ({exc})") from exc
     meta = clean_table(table, source=path, extra_columns=extra_columns, strict=strict, val_fraction=val_fraction,
-                       identity=identity)
+                       identity=identity, mask_column=mask_column)
     if renamed:
         meta.extra["caption"] = meta.extra.pop(caption_column)
     return meta
 
 
 def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: bool = False,
-                val_fraction: float = 0.0, identity: bool = False) -> Metadata:
+                val_fraction: float = 0.0, identity: bool = False, mask_column: str | None = None) -> Metadata:
     """Drop and count bad rows; convert the columns a run needs; split rows into train/val/test.
 
     The split comes from a ``split`` column when the table has one, else from a hash of
@@ -239,6 +246,12 @@ def clean_table(table, source: str = "", extra_columns: list[str] = (), strict: 
         meta.splits = np.zeros(len(meta), dtype=np.int8)
     meta.extra = {name: kept.column(name).combine_chunks() for name in extra_columns}
     meta.identity = _identity(kept) if identity else None
+    if mask_column is not None:
+        masks = kept.column(mask_column).combine_chunks()
+        if not (pa.types.is_string(masks.type) or pa.types.is_large_string(masks.type) or pa.types.is_null(masks.type)):
+            raise DataError(f"{source}: mask_column {mask_column!r} has type {masks.type}; it must hold paths (strings) "
+                            "relative to the image root")
+        meta.masks = masks.cast(pa.string())
     if set(MEMBER_COLUMNS) <= set(kept.column_names):
         meta.members = np.stack([kept.column(name).to_numpy().astype(np.int64) for name in MEMBER_COLUMNS], 1)
     return meta

@@ -110,11 +110,14 @@ def write(folder: str, parts: list, classes: list | None) -> None:
         _write_arrow(os.path.join(folder, f"{i}-sizes.arrow"), meta.sizes)
         for k, (name, column) in enumerate(meta.extra.items()):
             _write_arrow(os.path.join(folder, f"{i}-extra{k}.arrow"), pa.table({name: column}))
+        if meta.masks is not None:
+            _write_arrow(os.path.join(folder, f"{i}-masks.arrow"), pa.table({"mask": meta.masks}))
         arrays = {"buckets": buckets, **{name: getattr(meta, name) for name in _ARRAYS}}
         for name, array in arrays.items():
             if array is not None:
                 np.save(os.path.join(folder, f"{i}-{name}.npy"), array)
         described.append({"source": meta.source, "classes": meta.classes, "extra": list(meta.extra),
+                          "masks": meta.masks is not None,
                           "bad": [meta.bad.counts, meta.bad.examples],
                           "arrays": [name for name, array in arrays.items() if array is not None]})
     with open(os.path.join(folder, _INFO), "w") as f:
@@ -134,11 +137,15 @@ def load(folder: str) -> tuple[list, list | None]:
         for k, name in enumerate(part["extra"]):
             column = _read_arrow(os.path.join(folder, f"{i}-extra{k}.arrow")).column(0)
             extra[name] = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+        masks = None
+        if part.get("masks"):
+            column = _read_arrow(os.path.join(folder, f"{i}-masks.arrow")).column(0)
+            masks = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
         meta = Metadata(filenames=_read_arrow(os.path.join(folder, f"{i}-filenames.arrow")).column(0),
                         sizes=_read_arrow(os.path.join(folder, f"{i}-sizes.arrow")),
                         rows=arrays.get("rows"), labels=arrays.get("labels"), classes=part["classes"],
                         splits=arrays.get("splits"), extra=extra, identity=arrays.get("identity"),
-                        members=arrays.get("members"), bad=BadRows(*part["bad"]), source=part["source"])
+                        members=arrays.get("members"), masks=masks, bad=BadRows(*part["bad"]), source=part["source"])
         parts.append((meta, arrays["buckets"], meta.splits))
     return parts, info["classes"]
 

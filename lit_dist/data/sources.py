@@ -38,6 +38,8 @@ class DatasetSource:
         caption_dropout: Share of this dataset's training captions replaced by the empty caption; default: model.objective.condition_dropout.
         tag_orders: Orders of each caption's comma-separated tags that training draws from: as written and tag_orders - 1 shuffles, each cached once.
         keep_tokens: With tag_orders > 1: this many leading tags stay in front, in their order.
+        mask_column: With metadata: the column of each image's loss mask, a path relative to root (white counts, black is ignored; empty: all counts).
+        alpha_mask: Each image's alpha channel is its loss mask (opaque counts; an image without alpha counts everywhere).
     """
 
     metadata: str | None = None
@@ -55,6 +57,8 @@ class DatasetSource:
     caption_dropout: float | None = None
     tag_orders: int = 1
     keep_tokens: int = 0
+    mask_column: str | None = None
+    alpha_mask: bool = False
 
     def problems(self, where: str) -> list[str]:
         out = []
@@ -80,7 +84,18 @@ class DatasetSource:
         elif self.keep_tokens and self.tag_orders == 1:
             out.append(f"{where}.keep_tokens = {self.keep_tokens} keeps tags in front of shuffled ones, and "
                        f"{where}.tag_orders is 1 (captions as written): set tag_orders (e.g. 4), or remove keep_tokens")
+        if self.mask_column is not None and self.alpha_mask:
+            out.append(f"{where}.mask_column = {self.mask_column!r} and {where}.alpha_mask = true: a dataset's loss masks "
+                       "come from one of them; remove the other")
+        if self.mask_column is not None and self.metadata is None:
+            out.append(f"{where}.mask_column = {self.mask_column!r} names mask files in a metadata table's column, and "
+                       f"this dataset has no data.metadata table: use {where}.alpha_mask (masks in the images' alpha)")
         return out
+
+    @property
+    def masked(self) -> bool:
+        """Whether this dataset's training loss is masked."""
+        return self.mask_column is not None or self.alpha_mask
 
     @property
     def caption_rule(self) -> CaptionRule | None:

@@ -188,14 +188,15 @@ class Generative(Objective):
     def loss(self, net, batch, train):
         x0 = self.take(batch, "input")
         cond = self.condition_of(batch, train)
+        mask = loss_mask(batch.get("mask"), x0)
         if train:
             t = self.sample_t(len(x0), x0.device)
             noise, noised_with = self.training_noise(x0)
-            per_sample = self.per_sample_loss(net, x0, noise, t, cond, noised_with)
+            per_sample = self.per_sample_loss(net, x0, noise, t, cond, noised_with, mask)
             return per_sample.mean(), {}
         # Evaluation: the same timesteps and noises for every sample at every validation (as torchtitan's
         # Flux does), so that the number compares across runs, resumes and world sizes.
-        per_time = self.losses_by_time(net, x0, cond, batch.get("row"))
+        per_time = self.losses_by_time(net, x0, cond, batch.get("row"), mask)
         return (sum(per_time) / self.eval_timesteps).mean(), self.band_losses(per_time)
 
     def training_noise(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -212,16 +213,18 @@ class Generative(Objective):
             return noise, None
         return noise, noise + self.input_perturbation * torch.randn_like(noise)
 
-    def fixed_losses(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None) -> torch.Tensor:
+    def fixed_losses(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) losses, each the mean over ``eval_timesteps`` evenly spaced times, with one noise per sample seeded
         by its metadata row (by its place in the batch where the batches have no rows)."""
-        return sum(self.losses_by_time(net, x0, cond, rows)) / self.eval_timesteps
+        return sum(self.losses_by_time(net, x0, cond, rows, mask)) / self.eval_timesteps
 
-    def losses_by_time(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None) -> list[torch.Tensor]:
+    def losses_by_time(self, net, x0: torch.Tensor, cond, rows: torch.Tensor | None,
+                       mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """(B,) losses at each of the ``eval_timesteps`` evenly spaced times (``fixed_losses``)."""
         noise = torch.stack([self.eval_noise(x0[i], i if rows is None else int(rows[i])) for i in range(len(x0))])
         times = (torch.arange(self.eval_timesteps, dtype=torch.float32, device=x0.device) + 0.5) / self.eval_timesteps
-        return [self.per_sample_loss(net, x0, noise, t.expand(len(x0)), cond) for t in times]
+        return [self.per_sample_loss(net, x0, noise, t.expand(len(x0)), cond, mask=mask) for t in times]
 
     def band_losses(self, per_time: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The evaluation loss in ``eval_bands`` equal bands of training time (before any flow shift), named on
@@ -236,19 +239,38 @@ class Generative(Objective):
     def eval_noise(self, like: torch.Tensor, row: int) -> torch.Tensor:
         return seeded_normal(tuple(like.shape), self.eval_seed, row).to(like)
 
-    def per_sample_loss(self, net, x0, noise, t, cond, noised_with=None) -> torch.Tensor:
+    def per_sample_loss(self, net, x0, noise, t, cond, noised_with=None, mask=None) -> torch.Tensor:
         """(B,) losses at times ``t`` in (0, 1); the input noised with ``noised_with`` where given (input
-        perturbation), the target made of ``noise``."""
+        perturbation), the target made of ``noise``; each the mean over the pixels ``mask`` weighs (``loss_mask``)
+        where given."""
         raise NotImplementedError
 
     def predict(self, net, batch):
         cond = self.condition_of(batch, train=False)
-        return {"loss": self.fixed_losses(net, self.take(batch, "input"), cond, batch.get("row"))}
+        x0 = self.take(batch, "input")
+        return {"loss": self.fixed_losses(net, x0, cond, batch.get("row"), loss_mask(batch.get("mask"), x0))}
 
 
-def _mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """(B,) mean squared error per sample, in float32."""
-    return F.mse_loss(pred.float(), target.float(), reduction="none").flatten(1).mean(1)
+def loss_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """A batch's ``mask`` (B, H, W) uint8, 255 where the loss counts (its dataset's mask_column or alpha_mask), as
+    float weights (B, 1, h, w) in [0, 1] on the grid of ``like`` (B, C, h, w): averaged over each cell where the
+    grids differ (a mask cached beside latents is on their grid already). None without one."""
+    if mask is None:
+        return None
+    weights = mask.to(like.device, torch.float32).unsqueeze(1) / 255
+    if weights.shape[-2:] != like.shape[-2:]:
+        weights = F.adaptive_avg_pool2d(weights, like.shape[-2:])
+    return weights
+
+
+def _mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) mean squared error per sample, in float32; with ``mask`` (B, 1, h, w) the mean weighted by it: its
+    zeros count for nothing, and a sample whose mask is all zeros has loss 0."""
+    errors = F.mse_loss(pred.float(), target.float(), reduction="none")
+    if mask is None:
+        return errors.flatten(1).mean(1)
+    weights = mask.expand_as(errors).flatten(1)
+    return (errors.flatten(1) * weights).sum(1) / weights.sum(1).clamp_min(1e-12)
 
 
 class FlowMatching(Generative):
@@ -322,12 +344,12 @@ class FlowMatching(Generative):
             return self.shift * t / (1 + (self.shift - 1) * t)
         return t
 
-    def per_sample_loss(self, net, x0, noise, t, cond, noised_with=None):
+    def per_sample_loss(self, net, x0, noise, t, cond, noised_with=None, mask=None):
         t = self.noise_level(t, x0)
         tt = t.view(-1, *[1] * (x0.dim() - 1)).to(x0.dtype)
         x_t = (1 - tt) * x0 + tt * (noise if noised_with is None else noised_with)
         pred = denoise(net, x_t, t * 1000, cond)  # diffusers' timestep scale (SD3: sigma x 1000)
-        return _mse(pred, noise - x0)
+        return _mse(pred, noise - x0, mask)
 
 
 class Diffusion(Generative):
@@ -394,7 +416,7 @@ class Diffusion(Generative):
         self.prediction, self.snr_gamma, self.num_train_timesteps = prediction, snr_gamma, num_train_timesteps
         self._alphas_cumprod = self.scheduler.alphas_cumprod  # moved to the batches' device once, not every step
 
-    def per_sample_loss(self, net, x0, noise, t, cond, noised_with=None):
+    def per_sample_loss(self, net, x0, noise, t, cond, noised_with=None, mask=None):
         steps = (t * self.num_train_timesteps).long().clamp_(0, self.num_train_timesteps - 1)
         if self._alphas_cumprod.device != x0.device:
             self._alphas_cumprod = self._alphas_cumprod.to(x0.device)
@@ -403,7 +425,7 @@ class Diffusion(Generative):
         s = (1 - alphas).sqrt().view(-1, *[1] * (x0.dim() - 1))
         x_t = (a * x0.float() + s * (noise if noised_with is None else noised_with).float()).to(x0.dtype)
         target = noise if self.prediction == "epsilon" else a * noise.float() - s * x0.float()
-        losses = _mse(denoise(net, x_t, steps.float(), cond), target)
+        losses = _mse(denoise(net, x_t, steps.float(), cond), target, mask)
         if self.snr_gamma is None:
             return losses
         # Min-SNR-gamma (Hang et al. 2023): weight min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v.

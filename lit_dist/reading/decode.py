@@ -19,18 +19,53 @@ def covering(data: bytes, width: int, height: int) -> np.ndarray:
 
     This is what a pixel cache stores: the crop is left to load time, so it varies as it does without one.
     """
+    return _covering(data, width, height, alpha=False)[0]
+
+
+def covering_with_alpha(data: bytes, width: int, height: int) -> tuple[np.ndarray, np.ndarray]:
+    """``covering`` and the image's alpha channel resized alike, (H', W') uint8: 255 everywhere for an image without
+    one. The colours are exactly ``covering``'s (decoded without the alpha: Pillow's resize of RGBA premultiplies)."""
+    return _covering(data, width, height, alpha=True)
+
+
+def covering_mask(data: bytes, size: tuple[int, int]) -> np.ndarray:
+    """A mask image's bytes as (H', W') uint8 (its luminance) at ``size`` (W', H'): its image's covering size. A mask
+    of another aspect ratio than its image is a bad sample (stretched it would mark the wrong pixels)."""
+    from PIL import Image, ImageOps
+
+    try:
+        img = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("L")
+    except decode_errors() as exc:
+        raise BadImage(f"its mask: {reason(exc)}") from exc
+    if abs(img.width / img.height - size[0] / size[1]) > 0.02 * size[0] / size[1]:
+        raise BadImage(f"its mask is {img.width}x{img.height}, of another aspect ratio than the image")
+    if img.size != size:
+        img = img.resize(size, Image.BILINEAR, reducing_gap=3.0)
+    return np.asarray(img)
+
+
+def _covering(data: bytes, width: int, height: int, alpha: bool) -> tuple[np.ndarray, np.ndarray | None]:
     from PIL import Image, ImageOps
 
     try:
         img = Image.open(io.BytesIO(data))
         img.draft("RGB", (width, height))  # JPEG: decode at a reduced scale when that still covers the bucket
-        img = ImageOps.exif_transpose(img).convert("RGB")
+        img = ImageOps.exif_transpose(img)
+        opacity = None
+        if alpha and (img.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in img.info):
+            opacity = img.convert("RGBA").getchannel("A")
+        img = img.convert("RGB")
     except decode_errors() as exc:
         raise BadImage(reason(exc)) from exc
     resized = covering_size(img.width, img.height, width, height)
     if resized != img.size:
         img = img.resize(resized, Image.BILINEAR, reducing_gap=3.0)
-    return np.asarray(img)  # (H', W', C)
+        if opacity is not None:
+            opacity = opacity.resize(resized, Image.BILINEAR, reducing_gap=3.0)
+    if not alpha:
+        return np.asarray(img), None  # (H', W', C)
+    return np.asarray(img), (np.asarray(opacity) if opacity is not None
+                             else np.full((resized[1], resized[0]), 255, np.uint8))
 
 
 def reason(exc: Exception) -> str:
