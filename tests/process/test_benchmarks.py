@@ -24,7 +24,7 @@ BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("bench_*.py")) + 
 EXTRAS = {"bench_cache": ["diffusers"], "bench_generative": ["diffusers", "transformers"],
           "bench_pipeline": ["diffusers", "transformers", "accelerate"],
           "bench_lora": ["diffusers", "transformers", "accelerate", "peft"],
-          "bench_lora_quality": ["diffusers", "transformers", "peft"],
+          "bench_lora_quality": ["diffusers", "transformers", "peft"], "bench_masked_loss": ["diffusers", "transformers"],
           "bench_pipeline_quality": ["diffusers", "transformers"], "bench_sources": ["datasets"],
           "bench_strategies": ["deepspeed"]}
 # Its target is about CUDA synchronisations: without a GPU its line says met null, which is the truth.
