@@ -76,6 +76,9 @@ class Classification(Objective):
         self.loss_fn = loss if loss is not None else nn.CrossEntropyLoss()
 
     def loss(self, net, batch, train):
+        if "mask" in batch:  # a class has no pixels to weigh: the masks would be read and silently left unused
+            raise ConfigError("the data has loss masks (mask_column or alpha_mask), which weigh the pixels of a "
+                              "generative objective's loss, and model.objective is Classification: remove them")
         logits = net(self.take(batch, "input"))  # (B, num_classes)
         target = self.take(batch, "target")  # (B,)
         loss = self.loss_fn(logits, target)

@@ -166,6 +166,17 @@ def test_a_mask_is_averaged_onto_the_inputs_grid():
     assert loss_mask(None, torch.zeros(1)) is None
 
 
+def test_a_classifier_refuses_masks_it_cannot_use():
+    from lit_dist.model.objectives import Classification
+
+    batch = {"image": torch.zeros(2, 3, 8, 8), "label": torch.zeros(2, dtype=torch.long),
+             "mask": torch.zeros(2, 8, 8, dtype=torch.uint8)}
+    objective = Classification()
+    objective.bind("image", "label")
+    with pytest.raises(ConfigError, match=r"loss masks .* and model.objective is Classification"):
+        objective.loss(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 4)), batch, train=True)
+
+
 def test_mask_settings_that_cannot_work_are_refused_in_one_line(tmp_path, data):
     with pytest.raises(ConfigError, match=r"data.mask_column = 'mask' and data.alpha_mask = true"):
         data_module(data, None, mask_column="mask", alpha_mask=True)
