@@ -486,8 +486,11 @@ class BucketDataModule(LightningDataModule):
         return per_group, source, rows, problems
 
     def _loader(self, split: str, sampler):
-        if self.cache is not None and self.cache.threads and self._filler is None and split != "predict":
-            # Every entry is in the cache (modes read and build): threads read it, see data/threads.py.
+        dataset = self._splits[split]
+        decodes = any(part.load_images and "pixels" not in part.cache for part in getattr(dataset, "parts", [dataset]))
+        if self.cache is not None and self.cache.threads and self._filler is None and not decodes and split != "predict":
+            # Every entry is in the cache (modes read and build): threads read it, see data/threads.py. Images still
+            # to decode (a cache of captions alone) stay in worker processes, as without a cache.
             # Predicting keeps the DataLoader, which Lightning itself splits among ranks.
             from lit_dist.data.threads import ThreadLoader
 

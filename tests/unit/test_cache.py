@@ -570,6 +570,16 @@ def test_cached_batches_come_from_threads_in_order_and_equal_the_worker_processe
     assert not isinstance(threaded.predict_dataloader(), ThreadLoader)  # Lightning splits prediction itself
 
 
+def test_a_cache_of_captions_alone_leaves_the_images_to_be_decoded_in_worker_processes(tmp_path, data):
+    from lit_dist.data.threads import ThreadLoader
+
+    dm = module_setup(data, cache_config(tmp_path, pixels=False, encoder=None, caption_encoder=CAPTIONS), num_workers=1)
+    loader = dm.train_dataloader()
+    assert not isinstance(loader, ThreadLoader)  # decoding in threads would contend with training for the GIL
+    batch = dm._splits["train"][next(iter(loader.sampler))]
+    assert batch["image"].shape[-1] == 3 and "caption_embedding" in batch
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_float_entries_round_trip_through_the_byte_shuffle(dtype):
     from lit_dist.cache.build import _stored
