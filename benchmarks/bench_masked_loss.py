@@ -92,7 +92,7 @@ def framed_copy(table: str, dest: str, frame: int, seed: int = 0) -> str:
 def fit(args, table: str, tmp: str, run_id: str, epochs: int, *extra: str) -> tuple[str, float]:
     """A run of the t2i quickstart on ``table``; returns its run directory and its steps/s. Its images are decoded in
     the training process: on 2 cores a loader worker beside torch's two threads ran the steps at 1.35/s, against
-    about 3 with the few small PNGs of a step decoded in between."""
+    1.8-1.9 with the few small PNGs of a step decoded in between."""
     short = ["--model.net.init_args.channels", "[16, 32]"] if args.short else []
     timed = run_bench([
         sys.executable, "-m", "lit_dist", "fit", "--config", "configs/t2i_quickstart.yaml", "--data.metadata", table,
