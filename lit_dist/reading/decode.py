@@ -37,7 +37,9 @@ def covering_mask(data: bytes, size: tuple[int, int]) -> np.ndarray:
         img = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("L")
     except decode_errors() as exc:
         raise BadImage(f"its mask: {reason(exc)}") from exc
-    if abs(img.width / img.height - size[0] / size[1]) > 0.02 * size[0] / size[1]:
+    # The covering size rounds each side to a pixel: a small image's aspect ratio moves by up to 1 / its short side.
+    aspect = size[0] / size[1]
+    if abs(img.width / img.height - aspect) > aspect * (0.02 + 1 / min(size)):
         raise BadImage(f"its mask is {img.width}x{img.height}, of another aspect ratio than the image")
     if img.size != size:
         img = img.resize(size, Image.BILINEAR, reducing_gap=3.0)

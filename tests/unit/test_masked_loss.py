@@ -215,3 +215,24 @@ def test_a_masked_run_resumes_bitwise_and_learns_other_weights_than_an_unmasked_
     unmasked, _, _ = run(tmp_path / "c", table, max_steps=end, objective=objective())
     assert any(not torch.equal(a, b) for a, b in zip(straight.state_dict().values(), unmasked.state_dict().values(),
                                                      strict=True))
+
+
+def test_a_mask_of_its_images_size_is_taken_whatever_the_rounding_and_another_aspect_is_a_bad_sample():
+    import io
+
+    from PIL import Image
+
+    from lit_dist.reading.crops import covering_size
+    from lit_dist.reading.decode import covering_mask
+    from lit_dist.reading.unreadable import BadImage
+
+    def png(width, height):
+        out = io.BytesIO()
+        Image.new("L", (width, height), 200).save(out, format="PNG")
+        return out.getvalue()
+
+    size = covering_size(49, 80, 24, 40)  # (24, 40): rounding moved the aspect ratio by 2 %
+    assert size == (24, 40)
+    assert covering_mask(png(49, 80), size).shape == (40, 24)
+    with pytest.raises(BadImage, match=r"its mask is 80x80, of another aspect ratio"):
+        covering_mask(png(80, 80), size)
