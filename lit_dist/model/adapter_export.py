@@ -16,6 +16,7 @@ import copy
 from pathlib import Path
 
 from lit_dist.model.adapters import Adapter, adapter_layers, base_fingerprint, base_names, scaled
+from lit_dist.model.kohya import check_kohya, kohya_file, kohya_metadata, kohya_names
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights and load_lora_weights name it
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -35,7 +36,7 @@ def write_adapter(folder, model, adapter: Adapter, state: dict, output: str, rep
                   kohya: bool = False) -> str:
     """The adapter in ``model`` (the denoiser of the pipeline folder ``folder``, a ``PipelineFolder``, which holds
     it) with the weights of ``state`` as a folder at ``output``; returns its format: "diffusers", "peft", or with
-    ``kohya`` "kohya" (a LoRA on SD 1.5 or SDXL only: a ConfigError for anything else)."""
+    ``kohya`` "kohya" (a LoRA on SD 1.5, SDXL or Flux only: a ConfigError for anything else)."""
     import diffusers
     from safetensors.torch import save_file
 
@@ -43,17 +44,18 @@ def write_adapter(folder, model, adapter: Adapter, state: dict, output: str, rep
     from lit_dist.model.nets.pipeline import whole_folder
 
     if kohya:
-        _check_kohya(folder, adapter)
+        check_kohya(folder.family.name, adapter)
 
     layers = {k: v.contiguous() for k, v in adapter_state(model, state).items()}
     if not layers:
         raise DataError(f"the checkpoint holds no weights of its run's adapter ({adapter.describe()} on "
                         f"{folder.path}): was it written by another run?")
+    renamed = kohya_names(layers, adapter, folder.family.name, model) if kohya else None
     pipeline = getattr(diffusers, folder.index["_class_name"], None)
     with whole_folder(output, replace) as partial:
         if kohya:  # one file, named as the folder is, as kohya's scripts write it and UIs list it
-            save_file(kohya_names(layers, adapter), str(partial / kohya_file(output)),
-                      metadata=_kohya_metadata(folder, adapter))
+            save_file(renamed, str(partial / kohya_file(output)),
+                      metadata=kohya_metadata(folder.family.name, folder.path, adapter))
             kind = "kohya"
         elif adapter.kind == "lora" and hasattr(pipeline, "save_lora_weights"):  # what load_lora_weights reads
             # peft's names, as diffusers' LoRA scripts for SD3 and Flux save them (its older names, which the SDXL
@@ -68,52 +70,6 @@ def write_adapter(folder, model, adapter: Adapter, state: dict, output: str, rep
             save_file(layers, str(partial / PEFT_FILES[1]))
             kind = "peft"
     return kind
-
-
-# kohya's sd-scripts name a U-Net LoRA's layers by their module path (dots to underscores) under lora_unet_, with
-# lora_down (peft's lora_A), lora_up (lora_B) and a scalar alpha each; ComfyUI and A1111 read these names for SD 1.5
-# and SDXL, and so does diffusers' load_lora_weights. (Flux's and SD3's kohya names are those of their original
-# checkpoints, fused projections included: their diffusers-format files are what ComfyUI reads for them.)
-KOHYA_FAMILIES = ("sd15", "sdxl")
-_KOHYA_PARTS = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight"}
-
-
-def kohya_file(output: str) -> str:
-    """The file name of a kohya-format adapter written to the folder ``output``: the folder's name."""
-    return f"{Path(output).expanduser().absolute().name}.safetensors"
-
-
-def _check_kohya(folder, adapter: Adapter) -> None:
-    from lit_dist.errors import ConfigError
-
-    if folder.family.name not in KOHYA_FAMILIES:
-        raise ConfigError(f"--format kohya: kohya's names are written for SD 1.5 and SDXL LoRAs, and this run's "
-                          f"pipeline is {folder.family.name}: write diffusers' format (--format diffusers), which "
-                          "diffusers and ComfyUI load")
-    if adapter.kind != "lora" or adapter.use_dora:
-        raise ConfigError(f"--format kohya: written for a LoRA, and this run trained a {adapter.describe()}: write "
-                          "it in diffusers' or peft's format (--format diffusers)")
-
-
-def kohya_names(layers: dict, adapter: Adapter) -> dict:
-    """A LoRA's ``layers`` (peft's names: ``down_blocks.1...to_q.lora_A.weight``) under kohya's names, with an
-    ``alpha`` per layer."""
-    import torch
-
-    out = {}
-    for key, value in layers.items():
-        module, part = next((key[: -len(p) - 1], p) for p in _KOHYA_PARTS if key.endswith("." + p))
-        name = "lora_unet_" + module.replace(".", "_")
-        out[f"{name}.{_KOHYA_PARTS[part]}"] = value
-        out[f"{name}.alpha"] = torch.tensor(adapter.alpha)
-    return out
-
-
-def _kohya_metadata(folder, adapter: Adapter) -> dict:
-    """The header fields kohya's scripts write that UIs show: the network, its rank and alpha, the base."""
-    return {"ss_network_module": "networks.lora", "ss_network_dim": str(adapter.rank),
-            "ss_network_alpha": f"{adapter.alpha:g}", "ss_base_model_version": {"sd15": "sd_v1", "sdxl": "sdxl_base_v1-0"}
-            [folder.family.name], "ss_sd_model_name": folder.path.name, "written_by": "lit-dist"}
 
 
 def empty_adapted_denoiser(folder, adapter: Adapter):

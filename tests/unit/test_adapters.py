@@ -190,10 +190,18 @@ def test_a_merged_export_is_the_base_plus_the_adapter_at_its_scale(calls, family
         merged_weights(net.folder, adapter, state, fingerprint.flip(0))
 
 
-@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+# Flux's LoRA in the tiny pipeline: on the double block's layers alone. diffusers' reader of kohya's Flux files splits
+# a single block's fused linear1 at Flux.1's sizes (3072 and 12288), which the next test checks at those sizes.
+KOHYA_TARGETS = {"sd15": None, "sdxl": None,
+                 "flux": ["attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_out.0",
+                          "ff.net.0.proj", "ff_context.net.2", "norm1.linear"]}
+
+
+@pytest.mark.parametrize("family", sorted(KOHYA_TARGETS))
 def test_a_kohya_export_loads_into_the_family_s_pipeline_and_computes_the_same(calls, family, tmp_path):
     """--format kohya: one file of lora_unet_* names (lora_down, lora_up, alpha), which diffusers' load_lora_weights
-    reads with its converter of kohya's files (as ComfyUI reads them): the same outputs as lit-dist's."""
+    reads with its converter of kohya's files (as ComfyUI reads them): the same outputs as lit-dist's. Flux's text
+    attention is one fused layer there, its k part (not adapted) zero."""
     from diffusers import DiffusionPipeline
     from safetensors import safe_open
 
@@ -201,7 +209,8 @@ def test_a_kohya_export_loads_into_the_family_s_pipeline_and_computes_the_same(c
 
     folder, (x, timestep, condition) = calls[family]
     net = PipelineDenoiser(str(folder))
-    adapter = Adapter(kind="lora", rank=4, alpha=2)  # a scale of 0.5: the alpha must travel
+    targets = KOHYA_TARGETS[family]
+    adapter = Adapter(kind="lora", rank=4, alpha=2, target_modules=targets)  # a scale of 0.5: the alpha must travel
     adapter.attach(net)
     with torch.no_grad():
         for p in net.parameters():
@@ -216,18 +225,59 @@ def test_a_kohya_export_loads_into_the_family_s_pipeline_and_computes_the_same(c
     assert keys and all(k.startswith("lora_unet_") and k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
                         for k in keys), keys[:4]
     assert meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "2"
+    if family == "flux":
+        assert {k.split(".")[0] for k in keys} == {f"lora_unet_double_blocks_0_{n}" for n in (
+            "txt_attn_qkv", "txt_attn_proj", "img_attn_proj", "img_mlp_0", "txt_mlp_2", "img_mod_lin")}
     pipeline = DiffusionPipeline.from_pretrained(folder)
     pipeline.load_lora_weights(str(out), weight_name="shapes-lora.safetensors")
     loaded = PipelineDenoiser(str(folder))
-    loaded.model = pipeline.unet
+    loaded.model = getattr(pipeline, net.folder.family.denoiser)
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(x, timestep, condition), expected)
+
+
+def test_flux_s_kohya_names_fuse_its_projections_as_diffusers_reads_them_at_flux_1_s_sizes(tmp_path):
+    """A LoRA on Flux.1's own sizes (the family's preset and a single block's proj_out), named as kohya's files name
+    it and read back by diffusers' loader of them: each layer's update as trained, and none where a fused layer's
+    part was left out (a single block's MLP input)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from safetensors.torch import save_file
+
+    from lit_dist.model.adapters import TARGETS
+    from lit_dist.model.kohya import kohya_names
+
+    with torch.device("meta"):  # Flux.1's shapes (3072 wide), without its weights
+        model = FluxTransformer2DModel(num_layers=1, num_single_layers=1)
+    generator = torch.Generator().manual_seed(0)
+    layers, rank = {}, 4
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "blocks." in name and (
+                name.endswith(TARGETS["flux"]) or name.endswith("single_transformer_blocks.0.proj_out")):
+            layers[f"{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=generator)
+            layers[f"{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=generator)
+    file = tmp_path / "flux-lora.safetensors"
+    save_file(kohya_names(layers, Adapter(rank=rank, alpha=2), "flux", model), str(file))
+
+    read = FluxPipeline.lora_state_dict(str(file))
+    read = {k.removeprefix("transformer."): v for k, v in read.items()}
+    def update(factors: dict, module: str, v: torch.Tensor) -> torch.Tensor:  # B @ A @ v: the update on inputs v
+        return factors[f"{module}.lora_B.weight"] @ (factors[f"{module}.lora_A.weight"] @ v)
+
+    for key in [k for k in layers if k.endswith(".lora_A.weight")]:
+        module = key.removesuffix(".lora_A.weight")
+        v = torch.randn(layers[key].shape[1], 2, generator=generator)
+        torch.testing.assert_close(update(read, module, v), update(layers, module, v) * 0.5, msg=module)
+    mlp = "single_transformer_blocks.0.proj_mlp"
+    assert f"{mlp}.lora_A.weight" not in layers
+    assert not update(read, mlp, torch.randn(3072, 2, generator=generator)).any()
+    assert {k.removesuffix(".lora_A.weight") for k in read if k.endswith("lora_A.weight")} == \
+        {k.removesuffix(".lora_A.weight") for k in layers if k.endswith("lora_A.weight")} | {mlp}
 
 
 def test_kohya_s_names_are_refused_where_they_would_not_load(calls, tmp_path):
     from lit_dist.model.adapter_export import write_adapter
 
-    for family, adapter, says in (("flux", Adapter(rank=4), "pipeline is flux"),
+    for family, adapter, says in (("sd3", Adapter(rank=4), "pipeline is sd3"),
                                   ("sdxl", Adapter(kind="lokr", rank=4), "this run trained a lokr")):
         net = PipelineDenoiser(str(calls[family][0]))
         adapter.attach(net)

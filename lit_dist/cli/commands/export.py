@@ -39,8 +39,8 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
         trust_pickle: Unpickle whatever types the checkpoint names (unpickling can run any code): only for a file
             you trust. Without it, a checkpoint holding a type beyond lit-dist's own is refused (exit code 3).
         format: diffusers (a pipeline folder DiffusionPipeline.from_pretrained loads, with a model card; an adapter
-            run's adapter alone, as diffusers or peft load it), kohya (an SD 1.5 or SDXL LoRA under the names
-            kohya's scripts and ComfyUI read, one file in a folder), safetensors (one file), state_dict
+            run's adapter alone, as diffusers or peft load it), kohya (an SD 1.5, SDXL or Flux LoRA under the
+            names kohya's scripts and ComfyUI read, one file in a folder), safetensors (one file), state_dict
             (torch.save); auto: diffusers for a run of pipeline.path, else safetensors for an output ending in
             .safetensors, else state_dict.
         pipeline: The pipeline folder the run fine-tuned; default: pipeline.path of the run's config.yaml.
