@@ -46,9 +46,9 @@ def run_short(name: str, tmp_path) -> subprocess.CompletedProcess:
     return run_module(f"benchmarks.{name}", "--short", timeout=TIMEOUT_S, env=env)
 
 
-# The longest short runs (bench_cache 202 s, bench_generative 107 s on CI's two busy cores): .ci/test runs them beside
-# the parallel tests, in the process of the slurm tier, which mostly waits on its jobs.
-BESIDE = {"bench_cache", "bench_generative"}
+# Long short runs (bench_cache 352 s, bench_generative 223 s, bench_lora_quality 146 s on two busy cores): .ci/test runs
+# them beside the parallel tests, in the process of the slurm tier, which mostly waits on its jobs.
+BESIDE = {"bench_cache", "bench_generative", "bench_lora_quality"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.beside) if n in BESIDE else n for n in BENCHMARKS])

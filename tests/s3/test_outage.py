@@ -19,7 +19,9 @@ from tests.helpers.processes import Output, finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy
 from tests.s3.outages import QUICK, SECOND_WAIT, WAITED_TWICE_S, restored_on
 
-pytestmark = [pytest.mark.s3, pytest.mark.slow]
+# Mostly waiting on outages and deadlines: beside the parallel tests, in .ci/test's second process (as the checkpoint
+# outages are).
+pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.beside]
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
        "PYTHONFAULTHANDLER": "1"}
 
