@@ -9,7 +9,8 @@ scalar ``alpha`` (the update is ``lora_up @ lora_down * alpha / rank``).
   LoRAs in diffusers' model are one per projection, so each fused layer gets them all: ``lora_down`` stacked
   ``[A_q; A_k; A_v]``, ``lora_up`` block-diagonal, rank and alpha times the parts (the same scale), a zero block for a
   part the adapter left out. sd-scripts' own Flux LoRAs split their fused layers the same way, and diffusers'
-  converter recognises that layout and splits it back exactly.
+  converter recognises that layout and splits it back exactly. Every other linear layer of Flux has its BFL name
+  too (img_in, time_in_*, final_layer_*, ...).
 
 SD3's kohya names have no reader on this machine to check them against; its LoRAs leave in diffusers' format, which
 ComfyUI reads for SD3 and Flux as it is.
@@ -36,6 +37,16 @@ _FLUX_SINGLE = {"proj_out": "linear2", "norm.linear": "modulation_lin"}
 _FLUX_SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
 _FLUX_BLOCKS = (("transformer_blocks", "double_blocks", _FLUX_DOUBLE, _FLUX_DOUBLE_FUSED),
                 ("single_transformer_blocks", "single_blocks", _FLUX_SINGLE, _FLUX_SINGLE_FUSED))
+# The layers outside the blocks. diffusers' reader of kohya's files takes the final layer's factors without their
+# alpha, so those two are written with the scale in lora_up and alpha = rank: the same update for every reader.
+_FLUX_OUTSIDE = {"x_embedder": "img_in", "context_embedder": "txt_in",
+                 "time_text_embed.timestep_embedder.linear_1": "time_in_in_layer",
+                 "time_text_embed.timestep_embedder.linear_2": "time_in_out_layer",
+                 "time_text_embed.text_embedder.linear_1": "vector_in_in_layer",
+                 "time_text_embed.text_embedder.linear_2": "vector_in_out_layer",
+                 "time_text_embed.guidance_embedder.linear_1": "guidance_in_in_layer",
+                 "time_text_embed.guidance_embedder.linear_2": "guidance_in_out_layer"}
+_FLUX_FINAL = {"proj_out": "final_layer_linear", "norm_out.linear": "final_layer_adaLN_modulation_1"}
 
 
 def kohya_file(output: str) -> str:
@@ -65,28 +76,38 @@ def kohya_names(layers: dict, adapter: Adapter, family: str, model) -> dict:
         module, part = next((key[: -len(p) - 1], p) for p in _PARTS if key.endswith("." + p))
         factors.setdefault(module, {})[part] = value
     if family != "flux":
-        named = {module.replace(".", "_"): (f["lora_A.weight"], f["lora_B.weight"], 1) for module, f in factors.items()}
+        named = {module.replace(".", "_"): (f["lora_A.weight"], f["lora_B.weight"], adapter.alpha)
+                 for module, f in factors.items()}
     else:
-        named = _flux_layers(factors, model)
+        named = _flux_layers(factors, model, adapter)
     out = {}
-    for name, (down, up, parts) in named.items():
+    for name, (down, up, alpha) in named.items():
         out[f"lora_unet_{name}.lora_down.weight"] = down.contiguous()
         out[f"lora_unet_{name}.lora_up.weight"] = up.contiguous()
-        out[f"lora_unet_{name}.alpha"] = torch.tensor(adapter.alpha * parts)
+        out[f"lora_unet_{name}.alpha"] = torch.tensor(float(alpha))
     return out
 
 
-def _flux_layers(factors: dict, model) -> dict:
-    """Flux's adapted layers under BFL's names: {name: (lora_down, lora_up, how many parts it fuses)}."""
+def _flux_layers(factors: dict, model, adapter: Adapter) -> dict:
+    """Flux's adapted layers under BFL's names: {name: (lora_down, lora_up, alpha)}."""
     import torch
 
     named, left = {}, dict(factors)
+    for ours, theirs in _FLUX_OUTSIDE.items():
+        if (f := left.pop(ours, None)) is not None:
+            named[theirs] = (f["lora_A.weight"], f["lora_B.weight"], adapter.alpha)
+    for ours, theirs in _FLUX_FINAL.items():
+        if (f := left.pop(ours, None)) is not None:
+            down, up = f["lora_A.weight"], f["lora_B.weight"] * (adapter.alpha / adapter.rank)
+            if ours == "norm_out.linear":  # diffusers' final norm gives (scale, shift), BFL's (shift, scale)
+                up = torch.cat(up.chunk(2)[::-1])
+            named[theirs] = (down, up, adapter.rank)
     for ours, theirs, plain, fused in _FLUX_BLOCKS:
         blocks = sorted({int(m.split(".")[1]) for m in factors if m.startswith(ours + ".")})
         for i in blocks:
             for layer, name in plain.items():
                 if (f := left.pop(f"{ours}.{i}.{layer}", None)) is not None:
-                    named[f"{theirs}_{i}_{name}"] = (f["lora_A.weight"], f["lora_B.weight"], 1)
+                    named[f"{theirs}_{i}_{name}"] = (f["lora_A.weight"], f["lora_B.weight"], adapter.alpha)
             for name, members in fused.items():
                 paths = [f"{ours}.{i}.{m}" for m in members]
                 found = [left.pop(p, None) for p in paths]
@@ -102,11 +123,11 @@ def _flux_layers(factors: dict, model) -> dict:
                              "lora_B.weight": torch.zeros(out_features, rank, dtype=dtype)}
                     downs.append(f["lora_A.weight"])
                     ups.append(f["lora_B.weight"])
-                named[f"{theirs}_{i}_{name}"] = (torch.cat(downs), torch.block_diag(*ups), len(members))
+                named[f"{theirs}_{i}_{name}"] = (torch.cat(downs), torch.block_diag(*ups), adapter.alpha * len(members))
     if left:
-        raise ConfigError(f"--format kohya: Flux's layer {sorted(left)[0]} (of {len(left)} adapted outside the "
-                          "blocks' attention, feed-forwards and modulations) has no kohya name lit-dist writes: "
-                          "write diffusers' format (--format diffusers), which diffusers and ComfyUI load")
+        raise ConfigError(f"--format kohya: Flux's layer {sorted(left)[0]} (of {len(left)} adapted) has no kohya "
+                          "name lit-dist writes: write diffusers' format (--format diffusers), which diffusers and "
+                          "ComfyUI load")
     return named
 
 

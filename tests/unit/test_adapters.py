@@ -237,22 +237,20 @@ def test_a_kohya_export_loads_into_the_family_s_pipeline_and_computes_the_same(c
 
 
 def test_flux_s_kohya_names_fuse_its_projections_as_diffusers_reads_them_at_flux_1_s_sizes(tmp_path):
-    """A LoRA on Flux.1's own sizes (the family's preset and a single block's proj_out), named as kohya's files name
-    it and read back by diffusers' loader of them: each layer's update as trained, and none where a fused layer's
-    part was left out (a single block's MLP input)."""
+    """A LoRA on every linear layer of Flux.1-dev's shapes but a single block's MLP input, named as kohya's files
+    name it and read back by diffusers' loader of them: each layer's update as trained (the final layer's too,
+    which that loader reads without its alpha), and none for the fused layer's part left out."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
     from safetensors.torch import save_file
 
-    from lit_dist.model.adapters import TARGETS
     from lit_dist.model.kohya import kohya_names
 
-    with torch.device("meta"):  # Flux.1's shapes (3072 wide), without its weights
-        model = FluxTransformer2DModel(num_layers=1, num_single_layers=1)
+    with torch.device("meta"):  # Flux.1-dev's shapes (3072 wide, guidance embedded), without its weights
+        model = FluxTransformer2DModel(num_layers=1, num_single_layers=1, guidance_embeds=True)
     generator = torch.Generator().manual_seed(0)
-    layers, rank = {}, 4
+    layers, rank, mlp = {}, 4, "single_transformer_blocks.0.proj_mlp"
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and "blocks." in name and (
-                name.endswith(TARGETS["flux"]) or name.endswith("single_transformer_blocks.0.proj_out")):
+        if isinstance(module, torch.nn.Linear) and name != mlp:
             layers[f"{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=generator)
             layers[f"{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=generator)
     file = tmp_path / "flux-lora.safetensors"
@@ -260,6 +258,7 @@ def test_flux_s_kohya_names_fuse_its_projections_as_diffusers_reads_them_at_flux
 
     read = FluxPipeline.lora_state_dict(str(file))
     read = {k.removeprefix("transformer."): v for k, v in read.items()}
+
     def update(factors: dict, module: str, v: torch.Tensor) -> torch.Tensor:  # B @ A @ v: the update on inputs v
         return factors[f"{module}.lora_B.weight"] @ (factors[f"{module}.lora_A.weight"] @ v)
 
@@ -267,9 +266,7 @@ def test_flux_s_kohya_names_fuse_its_projections_as_diffusers_reads_them_at_flux
         module = key.removesuffix(".lora_A.weight")
         v = torch.randn(layers[key].shape[1], 2, generator=generator)
         torch.testing.assert_close(update(read, module, v), update(layers, module, v) * 0.5, msg=module)
-    mlp = "single_transformer_blocks.0.proj_mlp"
-    assert f"{mlp}.lora_A.weight" not in layers
-    assert not update(read, mlp, torch.randn(3072, 2, generator=generator)).any()
+    assert len(layers) == 2 * 29 and not update(read, mlp, torch.randn(3072, 2, generator=generator)).any()
     assert {k.removesuffix(".lora_A.weight") for k in read if k.endswith("lora_A.weight")} == \
         {k.removesuffix(".lora_A.weight") for k in layers if k.endswith("lora_A.weight")} | {mlp}
 
