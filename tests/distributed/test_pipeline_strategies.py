@@ -101,6 +101,8 @@ def test_a_pipeline_resumes_bitwise_under_each_strategy_and_exports(family, stra
     denoiser = "unet" if family == "sdxl" else "transformer"
     if adapter:
         _check_adapter(state, averaged, folder, tmp_path / "exported", adapter, denoiser)
+        if (family, strategy, adapter) == ("flux", "zero3", "lora"):
+            _check_kohya(straight, tmp_path / "kohya", state)
         return
     loaded = getattr(DiffusionPipeline.from_pretrained(tmp_path / "exported"), denoiser).state_dict()
     trained = {k.removeprefix("net.model."): v for k, v in state.items() if k.startswith("net.model.")}
@@ -129,3 +131,25 @@ def _check_adapter(state: dict, averaged: list, folder, exported, adapter: str, 
     else:
         written = load_file(exported / "adapter_model.safetensors")
     assert written.keys() == trained.keys() and all(torch.equal(written[k], trained[k].float()) for k in trained)
+
+
+def _check_kohya(run, output, state: dict) -> None:
+    """`lit-dist export --format kohya` of a Flux LoRA from a partitioned checkpoint: BFL's names, a block's q, k
+    and v one layer of 3 x the rank, the single block's linear1 of 4 x (its MLP input's part zero: not adapted)."""
+    from safetensors.torch import load_file
+
+    out = lit_dist("export", str(run / "checkpoints"), "--output", str(output), "--format", "kohya")
+    assert out.returncode == 0, out.stderr[-3000:]
+    written = load_file(output / "kohya.safetensors")
+    double = ("img_attn_qkv", "txt_attn_qkv", "img_attn_proj", "txt_attn_proj", "img_mlp_0", "img_mlp_2", "txt_mlp_0",
+              "txt_mlp_2")
+    assert {k.split(".")[0] for k in written} == {f"lora_unet_double_blocks_0_{n}" for n in double} | {
+        "lora_unet_single_blocks_0_linear1"}
+    trained = {k.removeprefix("net.model.").replace(".default", ""): v.float() for k, v in state.items()
+               if k.startswith("net.model.") and "lora_" in k}
+    down, up = (written[f"lora_unet_single_blocks_0_linear1.lora_{part}.weight"] for part in ("down", "up"))
+    q = "single_transformer_blocks.0.attn.to_q"
+    assert down.shape[0] == 16 and written["lora_unet_single_blocks_0_linear1.alpha"] == 16
+    assert torch.equal(down[:4], trained[f"{q}.lora_A.weight"])
+    assert torch.equal(up[: trained[f"{q}.lora_B.weight"].shape[0], :4], trained[f"{q}.lora_B.weight"])
+    assert not up[3 * trained[f"{q}.lora_B.weight"].shape[0]:].any()
