@@ -23,7 +23,7 @@ from lit_dist.model.adapters import Adapter
 
 FAMILIES = ("sd15", "sdxl", "flux")
 _PARTS = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight"}
-# What kohya's Flux LoRAs record as their base (sd-scripts' flux_train_network.py), and their network module.
+# The header's base model and network module (UIs show them, and filter LoRA lists by the base).
 _BASE_VERSION = {"sd15": "sd_v1", "sdxl": "sdxl_base_v1-0", "flux": "flux1"}
 _NETWORK = {"flux": "networks.lora_flux"}
 
