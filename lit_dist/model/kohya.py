@@ -92,38 +92,35 @@ def _flux_layers(factors: dict, model, adapter: Adapter) -> dict:
     """Flux's adapted layers under BFL's names: {name: (lora_down, lora_up, alpha)}."""
     import torch
 
+    plain, fused = dict(_FLUX_OUTSIDE), {}  # diffusers' path -> BFL's name; BFL's name -> diffusers' paths
+    for ours, theirs, layers, groups in _FLUX_BLOCKS:
+        for i in sorted({int(m.split(".")[1]) for m in factors if m.startswith(ours + ".")}):
+            plain.update({f"{ours}.{i}.{layer}": f"{theirs}_{i}_{name}" for layer, name in layers.items()})
+            fused.update({f"{theirs}_{i}_{name}": [f"{ours}.{i}.{m}" for m in members] for name, members in
+                          groups.items()})
     named, left = {}, dict(factors)
-    for ours, theirs in _FLUX_OUTSIDE.items():
+    for ours, theirs in plain.items():
         if (f := left.pop(ours, None)) is not None:
             named[theirs] = (f["lora_A.weight"], f["lora_B.weight"], adapter.alpha)
     for ours, theirs in _FLUX_FINAL.items():
         if (f := left.pop(ours, None)) is not None:
-            down, up = f["lora_A.weight"], f["lora_B.weight"] * (adapter.alpha / adapter.rank)
+            up = f["lora_B.weight"] * (adapter.alpha / adapter.rank)
             if ours == "norm_out.linear":  # diffusers' final norm gives (scale, shift), BFL's (shift, scale)
                 up = torch.cat(up.chunk(2)[::-1])
-            named[theirs] = (down, up, adapter.rank)
-    for ours, theirs, plain, fused in _FLUX_BLOCKS:
-        blocks = sorted({int(m.split(".")[1]) for m in factors if m.startswith(ours + ".")})
-        for i in blocks:
-            for layer, name in plain.items():
-                if (f := left.pop(f"{ours}.{i}.{layer}", None)) is not None:
-                    named[f"{theirs}_{i}_{name}"] = (f["lora_A.weight"], f["lora_B.weight"], adapter.alpha)
-            for name, members in fused.items():
-                paths = [f"{ours}.{i}.{m}" for m in members]
-                found = [left.pop(p, None) for p in paths]
-                if not any(found):
-                    continue
-                rank, dtype = next((f["lora_A.weight"].shape[0], f["lora_A.weight"].dtype) for f in found if f)
-                downs, ups = [], []
-                for path, f in zip(paths, found, strict=True):
-                    if f is None:  # a part the adapter left out: a zero update in the fused layer
-                        base = model.get_submodule(path)
-                        out_features, in_features = getattr(base, "base_layer", base).weight.shape
-                        f = {"lora_A.weight": torch.zeros(rank, in_features, dtype=dtype),
-                             "lora_B.weight": torch.zeros(out_features, rank, dtype=dtype)}
-                    downs.append(f["lora_A.weight"])
-                    ups.append(f["lora_B.weight"])
-                named[f"{theirs}_{i}_{name}"] = (torch.cat(downs), torch.block_diag(*ups), adapter.alpha * len(members))
+            named[theirs] = (f["lora_A.weight"], up, adapter.rank)
+    for theirs, paths in fused.items():
+        found = [left.pop(p, None) for p in paths]
+        if not any(found):
+            continue
+        rank, dtype = next((f["lora_A.weight"].shape[0], f["lora_A.weight"].dtype) for f in found if f)
+        for j, path in enumerate(paths):
+            if found[j] is None:  # a part the adapter left out: a zero update in the fused layer
+                base = model.get_submodule(path)
+                out_features, in_features = getattr(base, "base_layer", base).weight.shape
+                found[j] = {"lora_A.weight": torch.zeros(rank, in_features, dtype=dtype),
+                            "lora_B.weight": torch.zeros(out_features, rank, dtype=dtype)}
+        named[theirs] = (torch.cat([f["lora_A.weight"] for f in found]),
+                         torch.block_diag(*(f["lora_B.weight"] for f in found)), adapter.alpha * len(paths))
     if left:
         raise ConfigError(f"--format kohya: Flux's layer {sorted(left)[0]} (of {len(left)} adapted) has no kohya "
                           "name lit-dist writes: write diffusers' format (--format diffusers), which diffusers and "
