@@ -33,21 +33,10 @@ from lit_dist.runtime.extras import require
 
 
 def import_peft():
-    """peft, imported without bitsandbytes when nothing has imported that yet: peft imports it, where installed, for
-    quantized bases lit-dist does not give it, and bitsandbytes' import (torch's compiler with it) adds 3-5 s of CPU
-    to every start of a run with an adapter. A run whose optimizer is bitsandbytes' has imported it already (the
-    config names it) and is left as it is."""
-    import sys
+    """peft, imported as ``require`` imports it: without bitsandbytes (lit_dist/runtime/extras.py)."""
+    require("peft", "model.adapter")
+    import peft
 
-    if "peft" in sys.modules or "bitsandbytes" in sys.modules:
-        import peft
-
-        return peft
-    sys.modules["bitsandbytes"] = None  # `import bitsandbytes` raises ImportError, find_spec finds nothing
-    try:
-        import peft
-    finally:
-        del sys.modules["bitsandbytes"]
     return peft
 
 # The layers each family's adapter goes into unless target_modules says: the attention projections diffusers' own
