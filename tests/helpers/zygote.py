@@ -33,6 +33,13 @@ from pathlib import Path
 
 SWITCH_ENV = "LIT_DIST_TEST_ZYGOTE"  # "0": every run a new interpreter
 WARM_MODULES = ("lit_dist.cli.app",)  # what every run imports first
+# What runs import after it, once their config is read: about 0.5 s of CPU for a classifier's run, 1.5 s for a
+# pipeline's, in each of its processes. The optional extras as a run imports them (``require``: diffusers and peft
+# without bitsandbytes), and the classes of theirs that runs use, which their packages load on first use.
+WARM_AFTER = ("lit_dist.model.module", "lit_dist.data.datamodule", "lit_dist.callbacks.checkpoint", "lit_dist.cache.build",
+              "torch.utils.tensorboard", "pyarrow.dataset", "s3fs")
+WARM_EXTRAS = {"diffusers": ("UNet2DConditionModel", "AutoencoderKL", "DiffusionPipeline", "DDIMScheduler"),
+               "transformers": ("CLIPTextModel", "T5EncoderModel")}
 # Read at import by torch, OpenMP, Hugging Face, Python itself or the paths they cache: a run that sets one of
 # these differently from the warm process gets a new interpreter. TMPDIR is not: the one module that reads it at
 # import (torchmetrics' BLEU) is none of lit-dist's business, and each run looks it up again (``_main``).
@@ -204,6 +211,22 @@ def _become_run(stdout: int, stderr: int) -> None:
         os.close(fd)
 
 
+def _warm_after() -> None:
+    """``WARM_AFTER`` and ``WARM_EXTRAS``, each where it is installed (a missing one is a run's own business)."""
+    import importlib
+
+    from lit_dist.runtime.extras import require
+
+    for name in WARM_AFTER:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    for package, names in WARM_EXTRAS.items():
+        with contextlib.suppress(Exception):
+            require(package, "the tests' warm process")
+            for name in names:
+                getattr(sys.modules[package], name)
+
+
 def _main(fd: int) -> None:
     import importlib
     import runpy
@@ -213,6 +236,7 @@ def _main(fd: int) -> None:
     control = socket.socket(fileno=fd)
     for name in WARM_MODULES:
         importlib.import_module(name)
+    _warm_after()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C of the test session is for pytest; its runs get their own
     control.sendall(b"+")
     request = _serve(control)
