@@ -115,6 +115,20 @@ def run_module(module: str, *args: str, cwd: Path | None = None, timeout: float 
     return _no_leftovers(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), proc.pid, name, args, tag)
 
 
+def start_module(module: str, *args: str, cwd: Path | None = None, env: dict | None = None):
+    """``python -m module args`` running, for a test that acts on it while it runs: a ``subprocess.Popen`` with
+    stdout and stderr piped in text mode, in a session of its own, or the same forked from this session's warm
+    process (``tests.helpers.zygote.WarmRun``) where it can be. The test ends it (``tests.helpers.processes``)."""
+    clean = _run_env()
+    clean.update(env or {})
+    zygote = warm_process()
+    if zygote is not None and zygote.can_run(clean, None):
+        return zygote.start(module, list(args), clean, str(cwd or REPO))
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=clean, text=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
 def _run_env() -> dict:
     """This process's environment as a run started by a test gets it (then its tag and the test's ``env``)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k != "LIT_DIST_RUN_ID"}

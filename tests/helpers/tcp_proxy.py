@@ -46,10 +46,11 @@ class TcpProxy:
                 continue
             with self._lock:
                 self._open |= {client, server}
+            ended = []  # the directions of this connection that have ended: the second closes both sockets
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pipe, args=(a, b, ended), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, ended: list) -> None:
         try:
             while data := source.recv(65536):
                 if not self._silent.is_set():
@@ -62,6 +63,12 @@ class TcpProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            with self._lock:  # both closed once both directions end: left open, one run's connections held 1,100
+                ended.append(source)
+                if len(ended) == 2:
+                    for s in (source, sink):
+                        s.close()
+                        self._open.discard(s)
 
     def cut(self) -> None:
         """Refuse new connections and reset the open ones."""

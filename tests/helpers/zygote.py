@@ -76,6 +76,25 @@ class Zygote:
         """(pid, exit code as ``Popen.returncode``, stdout, stderr, whether it hung) of ``python -m module args`` in
         ``cwd`` with ``env``. One that hangs past ``timeout`` gets ``signal_run(pid, SIGABRT)`` (its stacks), and
         SIGKILL 30 s later."""
+        pid, reply, out_r, err_r = self._fork(module, args, env, cwd)
+        streams = _Streams(out_r, err_r)
+        with reply, streams:
+            hung = not streams.read_until_end(time.monotonic() + timeout)
+            if hung:
+                signal_run(pid, signal.SIGABRT)
+                if not streams.read_until_end(time.monotonic() + 30):
+                    signal_run(pid, signal.SIGKILL)
+                    streams.read_until_end(time.monotonic() + 30)
+            code = struct.unpack("!i", _receive(reply, 4))[0]
+        return pid, code, *(_text(b"".join(chunks)) for chunks in streams.chunks.values()), hung
+
+    def start(self, module: str, args: list[str], env: dict, cwd: str) -> "WarmRun":
+        """``python -m module args`` in ``cwd`` with ``env``, running: held as the tests hold a ``subprocess.Popen``."""
+        pid, reply, out_r, err_r = self._fork(module, args, env, cwd)
+        return WarmRun([sys.executable, "-m", module, *args], pid, reply, out_r, err_r)
+
+    def _fork(self, module: str, args: list[str], env: dict, cwd: str) -> tuple[int, socket.socket, int, int]:
+        """(pid, the socket its exit status comes through, read ends of its stdout and stderr) of a new run."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         reply, theirs = socket.socketpair()
@@ -88,19 +107,13 @@ class Zygote:
             for fd in (out_w, err_w):
                 os.close(fd)
             theirs.close()
-        streams = _Streams(out_r, err_r)
-        with reply, streams:
-            pid = struct.unpack("!i", _receive(reply, 4))[0]
-            if pid < 0:
-                raise OSError(-pid, os.strerror(-pid))
-            hung = not streams.read_until_end(time.monotonic() + timeout)
-            if hung:
-                signal_run(pid, signal.SIGABRT)
-                if not streams.read_until_end(time.monotonic() + 30):
-                    signal_run(pid, signal.SIGKILL)
-                    streams.read_until_end(time.monotonic() + 30)
-            code = struct.unpack("!i", _receive(reply, 4))[0]
-        return pid, code, *(_text(b"".join(chunks)) for chunks in streams.chunks.values()), hung
+        pid = struct.unpack("!i", _receive(reply, 4))[0]
+        if pid < 0:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            reply.close()
+            raise OSError(-pid, os.strerror(-pid))
+        return pid, reply, out_r, err_r
 
     def close(self) -> None:
         self.sock.close()  # it ends at the end of its socket
@@ -109,6 +122,65 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class WarmRun:
+    """A run forked by the warm process, as ``subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True,
+    start_new_session=True)`` holds one: ``pid`` (its session's id too), ``stdout`` and ``stderr`` in text mode,
+    ``returncode``, ``poll``, ``wait``, ``communicate``, ``send_signal``, ``kill``, each as Popen's. Its exit status
+    comes from the warm process, which reaps it."""
+
+    def __init__(self, args: list[str], pid: int, reply: socket.socket, out_fd: int, err_fd: int):
+        import locale
+
+        self.args, self.pid, self.returncode = args, pid, None
+        self._reply = reply
+        self.stdout, self.stderr = (open(fd, encoding=locale.getpreferredencoding(False)) for fd in (out_fd, err_fd))
+        self._readers: list[threading.Thread] = []
+        self._read: dict = {}
+
+    def poll(self) -> int | None:
+        if self.returncode is None and _readable([self._reply.fileno()], 0):
+            self._collect()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not _readable([self._reply.fileno()], timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._collect()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Both streams to their ends and the exit status; past ``timeout`` TimeoutExpired, and a later call goes on."""
+        if not self._readers:
+            self._readers = [threading.Thread(target=self._read_all, args=(s,), daemon=True)
+                             for s in (self.stdout, self.stderr)]
+            for reader in self._readers:
+                reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._read[self.stdout], self._read[self.stderr]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _read_all(self, stream) -> None:
+        self._read[stream] = stream.read()
+        stream.close()
+
+    def _collect(self) -> None:
+        self.returncode = struct.unpack("!i", _receive(self._reply, 4))[0]
+        self._reply.close()
 
 
 class _Streams:
@@ -124,7 +196,7 @@ class _Streams:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            ready, _, _ = select.select(self.open, [], [], left)
+            ready = _readable(self.open, left)
             for fd in ready:
                 if data := os.read(fd, 1 << 16):
                     self.chunks[fd].append(data)
@@ -138,6 +210,15 @@ class _Streams:
     def __exit__(self, *exc):
         for fd in self.chunks:
             os.close(fd)
+
+
+def _readable(fds: list[int], timeout: float | None) -> list[int]:
+    """Those of ``fds`` with something to read (or at their end) within ``timeout`` seconds (None: no limit).
+    ``poll``, not ``select``: a pytest process that has run many tests holds descriptors past select's 1024."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(None if timeout is None else timeout * 1000)]
 
 
 def _text(data: bytes) -> str:

@@ -6,13 +6,11 @@ each of these runs waited for ever in multiprocessing's exit handler, which join
 The outage case, with the object store gone, is in tests/s3/test_outage.py."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from lit_dist.errors import ExitCode
-from tests.conftest import LEFT_BOUND_S, REPO, quickstart_args
+from tests.conftest import LEFT_BOUND_S, quickstart_args, start_module
 from tests.helpers.processes import Output, left_after
 from tests.helpers.small_fs import mounter
 
@@ -51,10 +49,8 @@ def test_a_fault_with_workers_blocked_in_reads_ends_the_process_within_seconds(f
                            trainer__max_steps=1000, trainer__limit_val_batches=0, trainer__num_sanity_val_steps=0,
                            trainer__enable_progress_bar=False, checkpoint__every_n_epochs=None,
                            export__filename=None, run__run_id="r")
-    proc = subprocess.Popen([sys.executable, "-m", "lit_dist", "fit", *args, *extra,
-                             "--trainer.callbacks+=tests.helpers.recorder.StallReadsAtStep", "--trainer.callbacks.step",
-                             str(STALL), "--trainer.callbacks.folder", str(data)],
-                            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = start_module("lit_dist", "fit", *args, *extra, "--trainer.callbacks+=tests.helpers.recorder.StallReadsAtStep",
+                        "--trainer.callbacks.step", str(STALL), "--trainer.callbacks.folder", str(data))
     output = Output(proc)
     returncode, _, err = output.finish(timeout=180)
     left = left_after(proc.pid, LEFT_BOUND_S)

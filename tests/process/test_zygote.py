@@ -3,10 +3,11 @@
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 
-from tests.conftest import REPO, run_module, warm_process
+from tests.conftest import REPO, run_module, start_module, warm_process
 
 pytestmark = pytest.mark.process
 
@@ -52,3 +53,25 @@ def test_a_forked_run_that_hangs_shows_its_stacks():
     assert hung and code == -signal.SIGABRT, (code, stderr)
     assert "in <module>" in stderr and "as_main.py" in stderr  # the faulthandler's stack of the hung line
 
+
+
+@pytest.mark.parametrize("how", ["3", "hang"])
+def test_a_started_run_is_held_as_popen_holds_one(how):
+    """start_module: what a test that acts on a running run uses of Popen (streams, poll, wait, communicate with a
+    timeout and again, signals to its session) is the same for a forked run as for a new interpreter."""
+    runs = [start_module("tests.helpers.as_main", how), start_module("tests.helpers.as_main", how,
+                                                                      env={"LIT_DIST_TEST_ZYGOTE": "0"})]
+    assert not isinstance(runs[0], subprocess.Popen) and isinstance(runs[1], subprocess.Popen)
+    for run in runs:
+        seen = json.loads(run.stdout.readline())
+        assert seen["sid"] == seen["pid"] == run.pid
+        if how == "hang":
+            assert run.poll() is None
+            with pytest.raises(subprocess.TimeoutExpired):
+                run.wait(0.2)
+            with pytest.raises(subprocess.TimeoutExpired):
+                run.communicate(timeout=0.2)
+            os.killpg(run.pid, signal.SIGKILL)
+        out, err = run.communicate(timeout=30)
+        assert (run.returncode, out, err) == (-signal.SIGKILL if how == "hang" else 3, "", "to stderr\nline\n")
+        assert run.poll() == run.wait() == run.returncode

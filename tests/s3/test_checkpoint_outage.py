@@ -6,9 +6,6 @@ what it was doing, leaves no checkpoint that passes for complete, and no process
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from urllib.parse import urlparse
@@ -21,7 +18,7 @@ from lit_dist.ckpt.io import AtomicCheckpointIO
 from lit_dist.ckpt.store import MARKER, STATE, CheckpointStore, checkpoint_name
 from lit_dist.errors import ExitCode
 from lit_dist.runtime.outage import FIRST_WAIT_S, StoreUnreachable
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, start_module
 from tests.helpers.processes import Output, finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy
 from tests.s3.outages import QUICK, SECOND_WAIT
@@ -53,8 +50,7 @@ def start(tmp_path, demo_data, url, proxy, run_id, *extra):
             "--trainer.enable_progress_bar", "false", "--run.root_dir", str(tmp_path), "--run.run_id", run_id,
             "--export.filename", "null", "--checkpoint.dirpath", f"{url}/{{run_id}}", "--checkpoint.every_n_steps", "10",
             "--checkpoint.storage_options", json.dumps({"client_kwargs": {"endpoint_url": proxy.url}, **QUICK}), *extra]
-    return subprocess.Popen([sys.executable, "-m", "lit_dist", *args], cwd=REPO, env={**os.environ, **ENV}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return start_module("lit_dist", *args, env=ENV)
 
 
 def before_the_save_at_step_10(tmp_path):

@@ -4,9 +4,6 @@ sample is the one the sampler chose; a long one stops every rank with exit 17 ("
 nothing of the run is left."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 from urllib.parse import urlparse
 
@@ -14,7 +11,7 @@ import pytest
 import torch
 
 from lit_dist.errors import ExitCode
-from tests.conftest import CONFIGS, REPO
+from tests.conftest import CONFIGS, start_module
 from tests.helpers.processes import Output, finish, left_after
 from tests.helpers.tcp_proxy import TcpProxy
 from tests.s3.outages import QUICK, SECOND_WAIT, WAITED_TWICE_S, restored_on
@@ -44,8 +41,7 @@ def start(tmp_path, url, proxy, run_id, *extra):
             "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false", "--run.root_dir", str(tmp_path),
             "--run.run_id", run_id, "--export.filename", "null",
             "--trainer.callbacks+=tests.helpers.recorder.RowRecorder", *extra]
-    return subprocess.Popen([sys.executable, "-m", "lit_dist", *args], cwd=REPO, env={**os.environ, **ENV}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return start_module("lit_dist", *args, env=ENV)
 
 
 def test_a_short_outage_costs_its_length_and_no_sample_is_substituted(tmp_path, proxied):
