@@ -148,7 +148,7 @@ def judged(args, run: str, prompts: list[str], classifier: str) -> dict[str, flo
     grid = os.path.join(run, "grid.png")
     lit_dist("sample", "--config", os.path.join(run, "config.yaml"), "--checkpoint", os.path.join(run, "checkpoints"),
              "--prompt", "; ".join(prompts), "--num", "4", "--steps", str(args.sample_steps), "--output", grid)
-    pixels = torch.from_numpy(np.asarray(Image.open(grid).convert("RGB")))  # (rows x H, 4 x W, 3), no padding
+    pixels = torch.from_numpy(np.array(Image.open(grid).convert("RGB")))  # (rows x H, 4 x W, 3), no padding
     h, w = pixels.shape[0] // len(prompts), pixels.shape[1] // 4
     tiles = pixels.view(len(prompts), h, 4, w, 3).permute(0, 2, 4, 1, 3).reshape(-1, 3, h, w)
     asked = [p for p in prompts for _ in range(4)]

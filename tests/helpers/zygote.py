@@ -7,13 +7,14 @@ lit-dist's own local ranks start with (lit_dist/runtime/warm_ranks.py ``run_as_c
 run's environment, working folder and arguments, runs the module as ``python -m`` runs it (``runpy``, so that
 ``__main__`` and a spawned loader worker's ``__mp_main__`` are what they would be) and exits as that interpreter
 would. The run is its own session leader (``start_new_session``), writes into pipes of the test's, and the warm
-process reports its exit status as ``subprocess.Popen`` would.
+process reports its exit status as ``subprocess.Popen`` would. ``Zygote.run`` waits for the run's end (``run_module``);
+``Zygote.start`` returns it running, held as a ``subprocess.Popen`` (``WarmRun``; conftest's ``start_module``).
 
 What a fork cannot give is kept out: a run whose environment differs from the warm process's in anything read at
 import (``IMPORT_TIME_ENV``: thread counts, torch's and Hugging Face's settings, paths), a run under a launcher
 (torchrun) or with ``LIT_DIST_TEST_ZYGOTE=0`` starts as a new interpreter, as before.
 
-    python -m tests.helpers.zygote FD     # FD: its end of a socket pair, from ``Zygote.start``
+    python -m tests.helpers.zygote FD     # FD: its end of a socket pair, from ``Zygote()``
 """
 
 import array
