@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from lit_dist.runtime.warm_ranks import WarmRank
+
 SWITCH_ENV = "LIT_DIST_TEST_ZYGOTE"  # "0": every run a new interpreter
 WARM_MODULES = ("lit_dist.cli.app",)  # what every run imports first
 # What runs import after it, once their config is read: about 0.5 s of CPU for a classifier's run, 1.5 s for a
@@ -125,16 +127,16 @@ class Zygote:
             self.proc.wait()
 
 
-class WarmRun:
+class WarmRun(WarmRank):
     """A run forked by the warm process, as ``subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True,
-    start_new_session=True)`` holds one: ``pid`` (its session's id too), ``stdout`` and ``stderr`` in text mode,
-    ``returncode``, ``poll``, ``wait``, ``communicate``, ``send_signal``, ``kill``, each as Popen's. Its exit status
-    comes from the warm process, which reaps it."""
+    start_new_session=True)`` holds one: lit-dist's ``WarmRank`` (``pid``, its session's id too, ``returncode``,
+    ``wait``, signals) with ``stdout`` and ``stderr`` in text mode and ``communicate``. Its exit status comes from the
+    warm process, which reaps it."""
 
     def __init__(self, args: list[str], pid: int, reply: socket.socket, out_fd: int, err_fd: int):
         import locale
 
-        self.args, self.pid, self.returncode = args, pid, None
+        super().__init__(pid, args)
         self._reply = reply
         self.stdout, self.stderr = (open(fd, encoding=locale.getpreferredencoding(False)) for fd in (out_fd, err_fd))
         self._readers: list[threading.Thread] = []
@@ -142,14 +144,8 @@ class WarmRun:
 
     def poll(self) -> int | None:
         if self.returncode is None and _readable([self._reply.fileno()], 0):
-            self._collect()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            if not _readable([self._reply.fileno()], timeout):
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self._collect()
+            self.returncode = struct.unpack("!i", _receive(self._reply, 4))[0]
+            self._reply.close()
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
@@ -167,21 +163,9 @@ class WarmRun:
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self._read[self.stdout], self._read[self.stderr]
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
     def _read_all(self, stream) -> None:
         self._read[stream] = stream.read()
         stream.close()
-
-    def _collect(self) -> None:
-        self.returncode = struct.unpack("!i", _receive(self._reply, 4))[0]
-        self._reply.close()
 
 
 class _Streams:
