@@ -397,7 +397,7 @@ class _Builder:
 
 def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, outcome: dict, rank: int,
          progress: bool, preempted: "_PreemptionFlag | None" = None, worker_start: Start = "auto") -> None:
-    from tqdm import tqdm
+    from lit_dist.runtime.counter import counter
 
     builder = _Builder(plan, device, outcome, rank)
     # Its own generator: a loader started from the global RNG would shift every random draw of the training
@@ -407,8 +407,7 @@ def _run(plan: CachePlan, mine: list, device: torch.device, num_workers: int, ou
                                          worker_init_fn=ignore_stop_signals,
                                          multiprocessing_context=context(worker_start) if num_workers > 0 else None)
     total = sum(len(rows) for _, rows, _ in mine)
-    with tqdm(total=total, desc=f"lit-dist cache (rank {rank})", unit="img", disable=not progress or rank != 0,
-              mininterval=2) as bar:
+    with counter(total, f"lit-dist cache (rank {rank})", "img", show=progress and rank == 0) as bar:
         for d, rows, lacking, size, decoded, unreadable in loader:
             builder.add(d, rows, lacking, size, decoded, unreadable)
             bar.update(len(rows))

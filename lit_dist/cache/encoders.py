@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lit_dist.errors import ConfigError
-from lit_dist.runtime.extras import require
+from lit_dist.runtime.extras import quiet_loading, require
 
 
 def encoder_class(spec: dict, field: str = "encoder") -> type:
@@ -132,7 +132,9 @@ class VAEEncoder(nn.Module):
         if (pretrained is None) == (config is None):
             raise ConfigError("data.cache.encoder.init_args: give VAEEncoder exactly one of pretrained or config")
         if pretrained is not None:
-            self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder, variant=_variant(pretrained, subfolder))
+            with quiet_loading():
+                self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder,
+                                                         variant=_variant(pretrained, subfolder))
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
@@ -167,7 +169,9 @@ class VAEDecoder(nn.Module):
         from diffusers import AutoencoderKL
 
         if pretrained is not None:
-            self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder, variant=_variant(pretrained, subfolder))
+            with quiet_loading():
+                self.vae = AutoencoderKL.from_pretrained(pretrained, subfolder=subfolder,
+                                                         variant=_variant(pretrained, subfolder))
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)  # the same draws as VAEEncoder's: the same weights
@@ -240,7 +244,8 @@ class TextEncoder(nn.Module):
         model_class = transformers.T5EncoderModel if kind == "t5" else transformers.CLIPTextModel
         if pretrained is not None:
             kwargs = {"subfolder": subfolder} if subfolder else {}
-            self.model = model_class.from_pretrained(pretrained, **kwargs)
+            with quiet_loading():
+                self.model = model_class.from_pretrained(pretrained, **kwargs)
             tokenizer_folder = {"subfolder": subfolder.replace("text_encoder", "tokenizer")} if subfolder else {}
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained, **tokenizer_folder)
         else:

@@ -56,13 +56,17 @@ class PipelineFolder:
         ``model_index.json`` names for it; a ConfigError naming ``field`` if that class does not import here."""
         import importlib
 
+        from lit_dist.runtime.extras import quiet_loading
+
         library, class_name = self.index[name]
         try:
             model_class = getattr(importlib.import_module(library), class_name)
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"{field} = {str(self.path)!r}: its {name} is a {library}.{class_name}, which does not "
                               f"import here ({exc}): update {library}") from exc
-        return model_class.from_pretrained(self.path, subfolder=name, variant=weights_variant(self.path / name, field))
+        with quiet_loading():
+            return model_class.from_pretrained(self.path, subfolder=name,
+                                               variant=weights_variant(self.path / name, field))
 
     def fingerprint(self, *names: str) -> str:
         """What the components ``names`` (subfolders) are, without reading their weights whole: see files_fingerprint."""

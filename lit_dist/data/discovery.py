@@ -169,7 +169,7 @@ def _read_sizes(fs, paths: list[str], workers: int | None, progress_title: str |
                 ranks_here: int = 1) -> list[tuple[int, int]]:
     """(width, height) of each of ``paths``, under a progress bar if it has a title; ``ranks_here``:
     processes of the scan on this node, which share its cores."""
-    from tqdm import tqdm
+    from lit_dist.runtime.counter import counter
 
     local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
     workers = workers or (max(1, (os.cpu_count() or 1) // ranks_here) if local else 32)
@@ -190,8 +190,7 @@ def _read_sizes(fs, paths: list[str], workers: int | None, progress_title: str |
         args = [(fs, c) for c in chunks]
     results: list[tuple[int, int]] = []
     try:
-        with tqdm(total=len(paths), desc=progress_title, unit="img", disable=progress_title is None,
-                  mininterval=1) as bar:
+        with counter(len(paths), progress_title or "", "img", show=progress_title is not None) as bar:
             mapped = pool.map(job, args) if pool else map(job, args)
             for sizes in mapped:
                 results.extend(sizes)

@@ -7,7 +7,9 @@ is built, that what its config names has its extra installed: one line and exit 
 
 import importlib
 import importlib.util
+import logging
 import sys
+from contextlib import contextmanager
 
 from lit_dist.errors import ConfigError
 
@@ -51,3 +53,34 @@ def _import_without_bitsandbytes(package: str) -> None:
                 getattr(import_utils, check, lambda: None)()
     finally:
         del sys.modules["bitsandbytes"]
+
+
+class _TorchvisionNotice(logging.Filter):
+    """transformers' notice, once per process, that an image processor falls back to its PIL version without
+    torchvision: diffusers' SDXL and Flux pipeline modules import CLIPImageProcessor and SiglipImageProcessor (for the
+    safety checker and image prompts lit-dist does not use), and lit-dist installs no torchvision (no CPU build)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed)" not in record.getMessage()
+
+
+@contextmanager
+def quiet_loading():
+    """Around lit-dist's loads of a pretrained folder's components (``require`` the library first): transformers'
+    and diffusers' progress bars off, which every rank drew and a log file keeps as one line per redraw, and the
+    torchvision notice left out. Their warnings stay: a weight that a folder lacks is one of them."""
+    libraries = [importlib.import_module(f"{name}.utils.logging") for name in ("transformers", "diffusers")
+                 if name in sys.modules]
+    shown = [library.is_progress_bar_enabled() for library in libraries]
+    notices = logging.getLogger("transformers.utils.import_utils")
+    notice = _TorchvisionNotice()
+    for library in libraries:
+        library.disable_progress_bar()
+    notices.addFilter(notice)
+    try:
+        yield
+    finally:
+        notices.removeFilter(notice)
+        for library, on in zip(libraries, shown, strict=True):
+            if on:
+                library.enable_progress_bar()

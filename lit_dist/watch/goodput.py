@@ -28,6 +28,8 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field
 
+from lit_dist.runtime.counter import hms
+
 log = logging.getLogger(__name__)
 
 CATEGORIES = ("train", "data_wait", "checkpoint", "validation", "sampling", "startup", "lost", "other")
@@ -202,9 +204,3 @@ def losses(previous: list[dict], resumed_step: int, saved_by: int | None, saved_
 def _journal_time(info: dict) -> float:
     saves = info.get("saves") or []
     return saves[-1][1] if saves else info["started"]
-
-
-def hms(seconds: float) -> str:
-    """H:MM:SS."""
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

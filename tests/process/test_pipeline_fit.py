@@ -69,6 +69,10 @@ def test_a_pipeline_folder_trains_samples_and_resumes_from_its_saved_config(fami
     assert saved["data"]["init_args"]["size_conditions"] is (family == "sdxl"), "SDXL's time_ids from each image"
     assert (run / "samples" / "step-000000004.png").exists()
     assert "caption_encoder: 48 of 48 cached" in out.stdout + out.stderr
+    # lit-dist's lines only: no loading bar of transformers' or diffusers', no bar of its own in a pipe ("%|" is
+    # tqdm's), no notice about torchvision (lit_dist.watch.console.quiet_loading and counter).
+    for noise in ("Loading weights", "Loading pipeline components", "requires torchvision", "%|"):
+        assert noise not in out.stdout + out.stderr, noise
 
     if family not in ("sdxl", "flux"):  # the resume, export and sample of the two that CI's time allows
         return

@@ -22,7 +22,7 @@ from torch import nn
 
 from lit_dist.cache.pipelines import plain_name, read_folder, weights_variant
 from lit_dist.errors import ConfigError
-from lit_dist.runtime.extras import require
+from lit_dist.runtime.extras import quiet_loading, require
 
 # The condition each family's denoiser takes, by key: the caption cache's fields. SDXL also takes each sample's size
 # and crop conditioning, ``time_ids`` (original height and width, crop top and left, target height and width), which
@@ -140,8 +140,9 @@ class PipelineDenoiser(nn.Module):
             with _no_weights():
                 vae = AutoencoderKL.from_config(AutoencoderKL.load_config(self.folder.path, subfolder="vae"))
             parts.update({self.folder.family.denoiser: self.model, "vae": vae})
-            pipeline_class = getattr(importlib.import_module("diffusers"), index["_class_name"], DiffusionPipeline)
-            pipeline = pipeline_class.from_pretrained(self.folder.path, **parts)
+            with quiet_loading():
+                pipeline_class = getattr(importlib.import_module("diffusers"), index["_class_name"], DiffusionPipeline)
+                pipeline = pipeline_class.from_pretrained(self.folder.path, **parts)
             pipeline.set_progress_bar_config(disable=True)
             _DRAWERS[self.model] = pipeline
         return _DRAWERS[self.model]
