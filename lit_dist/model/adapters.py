@@ -53,6 +53,10 @@ TARGETS = {
     "flux": _JOINT + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
 }
 KINDS = ("lora", "loha", "lokr")
+# Layer names of the text encoders (CLIP's and T5's), which kohya's and diffusers' scripts adapt with
+# --train_text_encoder: named in target_modules, they get the reason they are not found in the denoiser.
+_TEXT_ENCODER_LAYERS = {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "q", "k", "v", "o", "wi", "wo",
+                        "wi_0", "wi_1"}
 
 
 class Adapter:
@@ -134,8 +138,13 @@ class Adapter:
         missing = [t for t in targets if not any(_matches(name, t) for name in names)]
         if missing:
             what = f"the {family} denoiser" if family else type(inner).__name__
-            raise ConfigError(f"model.adapter.target_modules: {what} has no layer named {', '.join(missing)}: name "
-                              f"layers it has (e.g. {', '.join(preset or _examples(inner))}), or null for the default")
+            why = ""
+            if family and any(t.split(".")[-1] in _TEXT_ENCODER_LAYERS or t.startswith("text_encoder") for t in missing):
+                why = (" (adapters go into the denoiser only: its captions come from the cache, encoded once by the "
+                       "frozen text encoders)")
+            raise ConfigError(f"model.adapter.target_modules: {what} has no layer named {', '.join(missing)}{why}: "
+                              f"name layers it has (e.g. {', '.join(preset or _examples(inner))}), or null for the "
+                              "default")
         config = self.config(targets)  # peft freezes every parameter of the model but the adapter's
         if hasattr(inner, "add_adapter"):  # a diffusers model: its own entry, which records the adapter as its own
             inner.add_adapter(config)

@@ -64,6 +64,10 @@ def test_a_wrong_adapter_is_one_line_naming_the_field(calls):
     with pytest.raises(ConfigError, match=r"target_modules: the sdxl denoiser has no layer named to_qq: name layers it "
                                           r"has \(e\.g\. .*to_q"):
         Adapter(target_modules=["to_q", "to_qq"]).attach(PipelineDenoiser(str(folder)))
+    # A text encoder's layers (kohya's and diffusers' --train_text_encoder): why they are not there.
+    with pytest.raises(ConfigError, match=r"no layer named q_proj, fc1 \(adapters go into the denoiser only: its "
+                                          r"captions come from the cache, encoded once by the frozen text encoders\)"):
+        Adapter(target_modules=["to_q", "q_proj", "fc1"]).attach(PipelineDenoiser(str(folder)))
     with pytest.raises(ConfigError, match=r"model.adapter.rank = 0: must be at least 1(.|\n)*use_dora is LoRA's; kind "
                                           r"is 'lokr'"):
         Adapter(kind="lokr", rank=0, use_dora=True)
