@@ -399,8 +399,18 @@ def test_a_run_trained_from_the_cache_resumes_bitwise_and_equals_decoding(tmp_pa
 THREE = {"class_path": "tests.helpers.encoders.TinyEncoder", "init_args": {"channels": 3, "scale": 1}}
 
 
+@pytest.fixture(scope="module")
+def few_images(tmp_path_factory):
+    """60 demo images: the on-demand test trains two epochs in batches of 1, twice (with the 400 of demo_data, 17 s)."""
+    from lit_dist.data.demo.shapes import create_shapes_dataset
+
+    path = tmp_path_factory.mktemp("few") / "shapes" / "metadata.parquet"
+    create_shapes_dataset(str(path), num_images=60, seed=0)
+    return path
+
+
 @pytest.mark.parametrize("fields", [{"encoder": ENCODER}, {"encoder": THREE, "pixels": False}])
-def test_ondemand_fills_the_cache_in_epoch_one_and_epoch_two_opens_no_source_image(tmp_path, demo_data, monkeypatch,
+def test_ondemand_fills_the_cache_in_epoch_one_and_epoch_two_opens_no_source_image(tmp_path, few_images, monkeypatch,
                                                                                    fields):
     from lightning.pytorch import Callback
 
@@ -417,20 +427,20 @@ def test_ondemand_fills_the_cache_in_epoch_one_and_epoch_two_opens_no_source_ima
             per_epoch_opens.append(len(opened) - sum(per_epoch_opens))
 
     # Batches of 1: every training sample is seen in epoch 1 (no samples wait for a later epoch).
-    steps = 2 * steps_per_epoch(demo_data, batch_size=1)
+    steps = 2 * steps_per_epoch(few_images, batch_size=1)
     cache = CacheConfig(dir=str(tmp_path / "cache"), mode="ondemand", encoder_dtype="fp32", **fields)
     key = "image" if fields.get("pixels", True) else "latent"
-    model, trainer, _ = run(tmp_path / "a", demo_data, max_steps=steps, extra=[CountOpens()], data={"cache": cache},
+    model, trainer, _ = run(tmp_path / "a", few_images, max_steps=steps, extra=[CountOpens()], data={"cache": cache},
                             input_key=key, batch_size=1)
     train_rows = steps // 2
     assert per_epoch_opens == [train_rows, 0], per_epoch_opens
     # num_workers=0: only its plan is read, and loader workers would start a fork server (a process).
-    dm = BucketDataModule(str(demo_data), resolution=32, batch_size_per_device=1, val_fraction=0.1, cache=cache,
+    dm = BucketDataModule(str(few_images), resolution=32, batch_size_per_device=1, val_fraction=0.1, cache=cache,
                           num_workers=0)
     _, coverage = dm.cache_plan(dm.read()).match()
     assert all(c.hits == train_rows for c in coverage.values())  # validation never ran here, so its rows wait
     # What epoch 1 trained on is what the cache now serves: the same run again opens nothing, ends the same.
-    again, _, _ = run(tmp_path / "b", demo_data, max_steps=steps, data={"cache": cache}, input_key=key, batch_size=1)
+    again, _, _ = run(tmp_path / "b", few_images, max_steps=steps, data={"cache": cache}, input_key=key, batch_size=1)
     assert len(opened) == train_rows
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
