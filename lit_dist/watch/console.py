@@ -37,6 +37,9 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
     # LitModel all-reduces its evaluation sums itself, so the values it logs are already global.
     warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting")
+    # Lightning logs every log_every_n_steps optimizer steps of the whole run, across epochs: an epoch shorter than
+    # that (a DreamBooth set of 20 images) loses no logs, whatever this warning suggests.
+    warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
     from lit_dist.runtime.launch import in_slurm_job
 
     if not in_slurm_job():
