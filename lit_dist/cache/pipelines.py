@@ -68,6 +68,15 @@ class PipelineFolder:
             return model_class.from_pretrained(self.path, subfolder=name,
                                                variant=weights_variant(self.path / name, field))
 
+    def pipeline_class(self):
+        """diffusers' pipeline class that ``model_index.json`` names (DiffusionPipeline where diffusers lacks it)."""
+        import diffusers
+
+        from lit_dist.runtime.extras import quiet_loading
+
+        with quiet_loading():  # its module imports transformers' image processors: the torchvision notice
+            return getattr(diffusers, self.index["_class_name"], diffusers.DiffusionPipeline)
+
     def fingerprint(self, *names: str) -> str:
         """What the components ``names`` (subfolders) are, without reading their weights whole: see files_fingerprint."""
         return files_fingerprint(self.path, names)

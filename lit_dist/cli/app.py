@@ -355,8 +355,9 @@ def _dispatch(argv: list[str]) -> int | None:
             args = [f"--{command.positional}", *args]
         CLI(function, args=args, prog=prog, exit_on_error=False)
         return int(ExitCode.OK)
-    # The command's own flags, its parameters after `cli`, parsed by jsonargparse from its signature.
-    own, rest = _own_flags(function, argv[1:])
+    # The command's own flags, its parameters after `cli`, parsed by jsonargparse from its signature; not checked
+    # when the user asks for the help that lists them (sample's checkpoint is required).
+    own, rest = _own_flags(function, argv[1:], check=not {"-h", "--help"} & set(argv[1:]))
     from jsonargparse import DefaultHelpFormatter
 
     # The description holds the own flags' help as jsonargparse lays it out: keep its lines.
@@ -377,8 +378,8 @@ def _own_parser(function):
     return parser
 
 
-def _own_flags(function, argv: list[str]) -> tuple[dict, list[str]]:
-    """(the command's own arguments by name, the rest of argv: the run config's).
+def _own_flags(function, argv: list[str], check: bool = True) -> tuple[dict, list[str]]:
+    """(the command's own arguments by name, the rest of argv: the run config's); without ``check``, ({}, the rest).
 
     ``--name VALUE`` or ``--name=VALUE``, parsed and checked by jsonargparse (a bad value raises its
     ArgumentError: exit code 2); a bool may also be given alone, ``--check`` for ``--check true``.
@@ -400,6 +401,8 @@ def _own_flags(function, argv: list[str]) -> tuple[dict, list[str]]:
         else:  # alone: a bool is set; any other flag lacks its value, which jsonargparse reports
             own.append(f"{name}=true" if is_bool else name)
             i += 1
+    if not check:
+        return {}, rest
     values = _own_parser(function).parse_args(own)
     return {name[2:]: values[name[2:]] for name in parameters}, rest
 

@@ -37,7 +37,6 @@ def write_adapter(folder, model, adapter: Adapter, state: dict, output: str, rep
     """The adapter in ``model`` (the denoiser of the pipeline folder ``folder``, a ``PipelineFolder``, which holds
     it) with the weights of ``state`` as a folder at ``output``; returns its format: "diffusers", "peft", or with
     ``kohya`` "kohya" (a LoRA on SD 1.5, SDXL or Flux only: a ConfigError for anything else)."""
-    import diffusers
     from safetensors.torch import save_file
 
     from lit_dist.errors import DataError
@@ -51,7 +50,7 @@ def write_adapter(folder, model, adapter: Adapter, state: dict, output: str, rep
         raise DataError(f"the checkpoint holds no weights of its run's adapter ({adapter.describe()} on "
                         f"{folder.path}): was it written by another run?")
     renamed = kohya_names(layers, adapter, folder.family.name, model) if kohya else None
-    pipeline = getattr(diffusers, folder.index["_class_name"], None)
+    pipeline = folder.pipeline_class()
     with whole_folder(output, replace) as partial:
         if kohya:  # one file, named as the folder is, as kohya's scripts write it and UIs list it
             save_file(renamed, str(partial / kohya_file(output)),

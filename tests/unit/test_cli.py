@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from lit_dist.cli.app import LitDistCLI
+from lit_dist.cli.commands import COMMANDS
 from lit_dist.data.datamodule import BucketDataModule
 from lit_dist.errors import ConfigError, ExitCode
 from lit_dist.model.module import LitModel
@@ -136,6 +137,15 @@ def test_top_level_help_lists_every_command_with_its_line(flag):
         line = re.search(rf"^  {name}\s+(\S.*)$", text, re.M)
         assert line and len(line.group(1)) > 20, f"{name} missing from lit-dist {flag or ''}:\n{text}"
     assert "lit-dist fit --help" in text
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("name", [name for name, command in COMMANDS.items() if command.run_config])
+def test_each_run_config_command_shows_its_help_without_its_required_arguments(name):
+    out = lit_dist(name, "--help")  # sample's checkpoint is required: --help alone still shows it
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: lit-dist {name}"), out.stderr[-2000:]
+    own = list(inspect.signature(COMMANDS[name].function()).parameters)[1:]
+    assert all(f"--{flag}" in out.stdout for flag in own), (own, out.stdout[:2000])
 
 
 @pytest.mark.process

@@ -131,9 +131,7 @@ class PipelineDenoiser(nn.Module):
         captions come encoded) and a VAE of the folder's config without weights (latents out: the pipeline reads
         only its config). Kept outside the module's attributes: it holds no parameters of its own."""
         if self.model not in _DRAWERS:
-            import importlib
-
-            from diffusers import AutoencoderKL, DiffusionPipeline
+            from diffusers import AutoencoderKL
 
             index = self.folder.index
             parts = {name: None for name in index if name.startswith(("text_encoder", "tokenizer"))}
@@ -141,8 +139,7 @@ class PipelineDenoiser(nn.Module):
                 vae = AutoencoderKL.from_config(AutoencoderKL.load_config(self.folder.path, subfolder="vae"))
             parts.update({self.folder.family.denoiser: self.model, "vae": vae})
             with quiet_loading():
-                pipeline_class = getattr(importlib.import_module("diffusers"), index["_class_name"], DiffusionPipeline)
-                pipeline = pipeline_class.from_pretrained(self.folder.path, **parts)
+                pipeline = self.folder.pipeline_class().from_pretrained(self.folder.path, **parts)
             pipeline.set_progress_bar_config(disable=True)
             _DRAWERS[self.model] = pipeline
         return _DRAWERS[self.model]
