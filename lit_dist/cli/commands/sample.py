@@ -133,8 +133,9 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
         else "the weight average" if averaged else "the trained weights"
     if getattr(model, "adapter", None) is not None:
         weights += f" and the adapter at scale {adapter_scale:g}"
-    print(f"lit-dist sample: {total} images ({rows} prompts x {num}, {steps} steps, guidance {guidance}, seed {seed}) "
-          f"with {weights} on {target} -> {output}{scored}")
+    prompts_word = "prompt" if rows == 1 else "prompts"
+    print(f"lit-dist sample: {total} images ({rows} {prompts_word} x {num}, {steps} steps, guidance {guidance}, "
+          f"seed {seed}) with {weights} on {target} -> {output}{scored}")
     return 0
 
 
