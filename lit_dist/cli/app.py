@@ -347,17 +347,21 @@ def _dispatch(argv: list[str]) -> int | None:
     if command is None:
         return None
     function, prog = command.function(), f"lit-dist {argv[0]}"
+    args = argv[1:]
+    if command.positional and args and not args[0].startswith("-"):
+        args = [f"--{command.positional}", *args]
     if not command.run_config:
         from jsonargparse import CLI
 
-        args = argv[1:]
-        if command.positional and args and not args[0].startswith("-"):
-            args = [f"--{command.positional}", *args]
         CLI(function, args=args, prog=prog, exit_on_error=False)
         return int(ExitCode.OK)
     # The command's own flags, its parameters after `cli`, parsed by jsonargparse from its signature; not checked
     # when the user asks for the help that lists them (sample's checkpoint is required).
-    own, rest = _own_flags(function, argv[1:], check=not {"-h", "--help"} & set(argv[1:]))
+    helping = bool({"-h", "--help"} & set(args))
+    own, rest = _own_flags(function, args, check=not helping)
+    if command.config_of and not helping and not any(a in ("-c", "--config") or a.startswith(("-c=", "--config="))
+                                                     for a in rest):
+        rest = [*_config_of(own[command.config_of], prog, given=bool(rest)), *rest]
     from jsonargparse import DefaultHelpFormatter
 
     # The description holds the own flags' help as jsonargparse lays it out: keep its lines.
@@ -366,6 +370,22 @@ def _dispatch(argv: list[str]) -> int | None:
                                                             "formatter_class": formatter})
     cli.args = rest  # the run config's own arguments, for a command that starts fits of it
     return function(cli, **own)
+
+
+def _config_of(checkpoint: str, prog: str, given: bool) -> list[str]:
+    """``--config`` and the config.yaml of the run directory that holds ``checkpoint``, which that run saved and
+    loads again; outside a run directory none, or a ConfigError if no run config was ``given`` on the command line
+    either (the defaults name no network)."""
+    from lit_dist.ckpt.model_card import run_dir_of
+
+    run = run_dir_of(checkpoint)
+    if run is None and not given:
+        raise ConfigError(f"checkpoint {checkpoint} is in no run directory (no config.yaml in it or up to three "
+                          f"folders above it): give its run's config, {prog} {checkpoint} --config FILE")
+    if run is None:
+        return []
+    print(f"{prog}: the run config {run / 'config.yaml'} (--config FILE for another)", flush=True)
+    return ["--config", str(run / "config.yaml")]
 
 
 def _own_parser(function):

@@ -104,10 +104,15 @@ def test_a_pipeline_folder_trains_samples_and_resumes_from_its_saved_config(fami
     assert ended.keys() == exported.keys() and all(torch.equal(ended[k], exported[k]) for k in ended)
     assert "- steps: 6," in (run / "pipeline" / "README.md").read_text()
     assert sorted(p.name for p in run.iterdir() if p.name.startswith(".pipeline")) == [], "nothing left beside it"
-    out = lit_dist("sample", "--config", str(run / "config.yaml"), "--checkpoint", str(run / "checkpoints"),
-                   "--prompt", "a red circle on a white background", "--num", "2", "--steps", "2", "--output",
-                   str(tmp_path / "grid.png"))
+    # The checkpoint alone, as export takes it: the run config is its run directory's config.yaml.
+    out = lit_dist("sample", str(run / "checkpoints"), "--prompt", "a red circle on a white background", "--num", "2",
+                   "--steps", "2", "--output", str(tmp_path / "grid.png"))
     assert out.returncode == 0 and (tmp_path / "grid.png").exists(), out.stderr[-3000:]
+    assert f"lit-dist sample: the run config {run / 'config.yaml'}" in out.stdout
+    lone = shutil.copytree(next((run / "checkpoints").glob("step-*")), tmp_path / "lone" / "step")
+    out = lit_dist("sample", str(lone), "--prompt", "a red circle")
+    lines = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error")]
+    assert out.returncode == 2 and len(lines) == 1 and "is in no run directory" in lines[0], out.stderr[-2000:]
 
 
 def test_a_config_that_contradicts_the_folder_is_one_line(shapes, tmp_path):

@@ -22,6 +22,9 @@ class Command:
     # A parameter with a default that may also come first without its flag (``lit-dist index ROOT``): jsonargparse
     # makes only parameters without a default positional, and this one is optional (``--webdataset`` instead).
     positional: str | None = None
+    # A run-config command's parameter naming a checkpoint: without --config, the run config is the config.yaml of
+    # the run directory that holds it (``lit-dist sample CKPT``).
+    config_of: str | None = None
 
     def function(self):
         module, name = self.target.split(":")
@@ -49,7 +52,8 @@ COMMANDS = {
     "preflight": Command("lit_dist.cli.commands.preflight:preflight", "measure the allocation on every rank (matmul, "
                          "all-reduce, data reads, checkpoint writes, loader) and name the laggards", run_config=True),
     "sample": Command("lit_dist.cli.commands.sample:sample", "images from a generative run's checkpoint as a PNG grid "
-                      "(--prompt \"a red circle on a white background\" --num 8 --guidance 4)", run_config=True),
+                      "(--prompt \"a red circle on a white background\" --num 8 --guidance 4)", run_config=True,
+                      positional="checkpoint", config_of="checkpoint"),
     "cache": Command("lit_dist.cli.commands.cache:cache", "build the run's cache of pixels / encoder outputs on every rank "
                      "(--check: report on it)", run_config=True),
 }

@@ -1,8 +1,11 @@
-"""``lit-dist sample --config cfg.yaml --checkpoint CKPT --prompt "..."``: images from a generative run's checkpoint.
+"""``lit-dist sample CKPT --prompt "..."``: images from a generative run's checkpoint.
 
-    lit-dist sample --config runs/t2i/20261125-1200/config.yaml --checkpoint runs/t2i/20261125-1200/checkpoints \\
+    lit-dist sample runs/t2i/20261125-1200/checkpoints \\
         --prompt "a red circle on a white background; a blue cross on a yellow background" --num 8 \\
         --guidance 4 --steps 30 --output grid.png
+
+The run config is the config.yaml of the run directory that holds the checkpoint (``--config FILE`` for another:
+lit_dist/cli/commands/__init__.py, ``config_of``).
 
 One row per prompt (prompts separated by ";"), ``num`` images each, image ``i`` seeded by (``seed``, ``i``). Left
 out, the prompts, ``num``, ``steps``, ``guidance`` and ``seed`` are the run's own samples' (the ``samples`` group
@@ -32,8 +35,9 @@ def sample(cli: "RunConfigCLI", checkpoint: str, prompt: str | None = None, num:
     """Images from a checkpoint of a generative run (model.objective FlowMatching or Diffusion), as a PNG grid.
 
     Args:
-        cli: The run config, given as for fit: --config FILE (the run directory's config.yaml) and dotted overrides.
-        checkpoint: A checkpoint file or folder of the run, or its checkpoints folder (the newest usable one).
+        cli: The run config: the checkpoint's run directory's config.yaml, or --config FILE, and dotted overrides.
+        checkpoint: A checkpoint file or folder of the run, or its checkpoints folder (the newest usable one); the
+            first argument, or --checkpoint.
         prompt: Prompts separated by ";", one row of the grid each; default: the run's samples.prompts.
         num: Images per prompt (the grid's columns); default: the run's samples.per_prompt.
         guidance: Classifier-free guidance scale (1 is none; 3 to 7 is usual); default: the run's samples.guidance.
