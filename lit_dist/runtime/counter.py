@@ -13,8 +13,8 @@ LOG_EVERY_S = 30.0  # as progress.log_every_s's default: a log file's lines come
 
 def counter(total: int, title: str, unit: str, show: bool = True, every_s: float = LOG_EVERY_S):
     """A count of ``total`` pieces of work for the console, used as ``with counter(...) as c: c.update(n)``: tqdm's
-    bar where stderr is a terminal; elsewhere (a Slurm output, a pipe) a line every ``every_s`` seconds, and one at
-    the end if any came before it; nothing if not ``show``."""
+    bar where stderr is a terminal; elsewhere (a Slurm output, a pipe) a line every ``every_s`` seconds and one at
+    the end, which says how long the work took; nothing if not ``show``."""
     if show and sys.stderr.isatty():
         from tqdm import tqdm
 
@@ -27,14 +27,14 @@ class _Lines:
 
     def __init__(self, total: int, title: str, unit: str, every_s: float, show: bool):
         self.total, self.title, self.unit, self.every_s, self.show = total, title, unit, every_s, show
-        self.done, self.lines = 0, 0
+        self.done = 0
         self.start = self.last = time.monotonic()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.lines and exc[0] is None:
+        if self.show and exc[0] is None:
             self._line(time.monotonic(), f"done in {hms(time.monotonic() - self.start)}")
 
     def update(self, n: int) -> None:
@@ -48,7 +48,7 @@ class _Lines:
     def _line(self, now: float, tail: str) -> None:
         share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         print(f"{self.title}: {self.done:,} of {self.total:,} {self.unit}{share}, {tail}", flush=True)
-        self.last, self.lines = now, self.lines + 1
+        self.last = now
 
 
 def hms(seconds: float) -> str:

@@ -15,6 +15,7 @@ def test_index_under_srun_splits_the_header_reads_and_writes_the_one_process_tab
                          cwd=REPO, env=slurm, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stdout.count("lit-dist index: 400 images") == 1 and "by 2 processes" in out.stdout
-    assert "200/200" in out.stderr and "400/400" not in out.stderr  # rank 0's progress bar: every other file
+    # rank 0's progress, its share only: every other file
+    assert "200 of 200 img (100%), done in" in out.stdout and "of 400 img" not in out.stdout, out.stdout[-2000:]
     alone = scan_folder(str(demo_data.parent), labels_from_folders=True, progress=False)
     assert pq.read_table(tmp_path / "index.parquet").equals(alone)

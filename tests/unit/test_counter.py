@@ -18,12 +18,13 @@ def test_counter_in_a_log_file_writes_lines_with_rate_and_time_left_then_one_at_
     assert re.fullmatch(r".*: 4,096 of 4,096 img \(100%\), done in 0:00:0\d", lines[2]) and len(lines) == 3, lines
 
 
-def test_counter_is_quiet_for_short_work_and_when_not_shown_and_a_bar_in_a_terminal(capsys, monkeypatch):
+def test_counter_in_a_log_file_says_when_short_work_is_done_and_nothing_unless_shown_and_a_bar_in_a_terminal(
+        capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
-    for show, every_s in ((True, 60.0), (False, 0.0)):  # done before its first line; not shown
-        with counter(10, "scan", "img", show=show, every_s=every_s) as count:
+    for show in (True, False):  # done before its first line; not shown
+        with counter(10, "scan", "img", show=show, every_s=60.0) as count:
             count.update(10)
-    assert capsys.readouterr() == ("", "")
+    assert capsys.readouterr() == ("scan: 10 of 10 img (100%), done in 0:00:00\n", "")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     with counter(10, "scan", "img") as count:
         count.update(10)
