@@ -195,6 +195,7 @@ def build_cpu_ops(names: list[str], say: bool = True) -> list[str]:
               f"minute each on 2 cores); later runs load them from {_build_root()}", flush=True)
     began = time.monotonic()
     for name in names:
+        _wait_for_another_build(name, say)
         try:
             getattr(builders, CPU_OPS[name])().load(verbose=False)
         except Exception as exc:  # noqa: BLE001 - whatever the build raises, one line with the compiler's own words
@@ -212,11 +213,49 @@ def _build_root() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
 
 
+# A build takes about a minute on 2 cores, a few on a loaded machine: a lock older than this is a killed build's.
+STALE_LOCK_S = 900.0
+
+
+def _wait_for_another_build(name: str, say: bool, every_s: float = 30.0) -> None:
+    """Wait while another process builds operator ``name``: torch's ``lock`` file in its build folder, which torch
+    itself waits on forever. A line every ``every_s`` seconds (``say``); a lock older than ``STALE_LOCK_S`` was left
+    by a build that was killed (Ctrl-C, a job's time limit): a ConfigError naming the file to delete."""
+    import time
+
+    said = time.monotonic()
+    while locks := [lock for folder in _build_folders(name) if os.path.exists(lock := os.path.join(folder, "lock"))]:
+        try:
+            age = time.time() - os.path.getmtime(locks[0])
+        except FileNotFoundError:  # the build ended just now
+            continue
+        if age > STALE_LOCK_S:
+            raise ConfigError(f"DeepSpeed's CPU operator {name} has been locked for {age / 60:.0f} minutes by {locks[0]}, "
+                              "which a build leaves when it is killed: if no lit-dist or DeepSpeed run on this "
+                              "machine is building it now, delete that file and run again")
+        if say and time.monotonic() - said >= every_s:
+            print(f"lit-dist: waiting for another process to build DeepSpeed's CPU operator {name} ({locks[0]}, "
+                  f"{age:.0f} s)", flush=True)
+            said = time.monotonic()
+        time.sleep(0.5)
+
+
 def _built(name: str) -> bool:
     """Whether torch's JIT build folder holds operator ``name``, compiled (a build left half done does not count)."""
     import glob
 
-    return bool(glob.glob(os.path.join(_build_root(), "*", name, f"{name}*.so")))
+    return any(glob.glob(os.path.join(folder, f"{name}*.so")) for folder in _build_folders(name))
+
+
+def _build_folders(name: str) -> list[str]:
+    """torch's build folder of operator ``name``: ``$TORCH_EXTENSIONS_DIR/{name}`` where that is set, else
+    ``~/.cache/torch_extensions/py311_cpu/{name}`` (a folder per Python and accelerator build)."""
+    import glob
+
+    root = _build_root()
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return [os.path.join(root, name)]
+    return glob.glob(os.path.join(root, "*", name))
 
 
 def _last_error(exc: BaseException) -> str:

@@ -6,7 +6,9 @@ from; the consolidated model (model.pt at the end, `lit-dist export` of a ZeRO-3
 network and predicts what the sharded model predicted."""
 
 import json
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -204,6 +206,20 @@ def test_a_cpu_operator_that_does_not_compile_is_one_line_before_any_process_sta
     assert "lit-dist: building DeepSpeed's CPU operators deepspeed_shm_comm for this machine, once" in out.stdout
     assert out.stderr.count("building DeepSpeed's CPU operator deepspeed_shm_comm failed: planted.cpp:1:1: error: "
                             "the planted compiler refuses to build. ") == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
+
+
+def test_the_lock_a_killed_operator_build_left_is_one_line_not_a_wait_forever(tmp_path, demo_data):
+    # What a build interrupted by Ctrl-C or a job's time limit leaves: its lock, and no operator. torch waits on it.
+    lock = tmp_path / "ops" / "deepspeed_shm_comm" / "lock"  # where torch builds it under TORCH_EXTENSIONS_DIR
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    an_hour_ago = time.time() - 3600
+    os.utime(lock, (an_hour_ago, an_hour_ago))
+    out, _ = fit(tmp_path, demo_data, "zero2", "locked", env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ops")})
+    assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("lit-dist: error:")]
+    assert len(lines) == 1 and f"locked for 60 minutes by {lock}" in lines[0] and "delete that file" in lines[0]
     assert "Traceback" not in out.stderr and "Initializing distributed" not in out.stdout + out.stderr
 
 
