@@ -230,9 +230,9 @@ def _wait_for_another_build(name: str, say: bool, every_s: float = 30.0) -> None
         except FileNotFoundError:  # the build ended just now
             continue
         if age > STALE_LOCK_S:
-            raise ConfigError(f"DeepSpeed's CPU operator {name} has been locked for {age / 60:.0f} minutes by {locks[0]}, "
-                              "which a build leaves when it is killed: if no lit-dist or DeepSpeed run on this "
-                              "machine is building it now, delete that file and run again")
+            raise ConfigError(f"DeepSpeed's CPU operator {name} has been locked for {age / 60:.0f} minutes by "
+                              f"{locks[0]}, which a build leaves when it is killed: if no run is building it now (on "
+                              "any machine that shares that folder), delete that file and run again")
         if say and time.monotonic() - said >= every_s:
             print(f"lit-dist: waiting for another process to build DeepSpeed's CPU operator {name} ({locks[0]}, "
                   f"{age:.0f} s)", flush=True)
