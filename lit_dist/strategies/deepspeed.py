@@ -224,7 +224,8 @@ def _wait_for_another_build(name: str, say: bool, every_s: float = 30.0) -> None
     import time
 
     said = time.monotonic()
-    while locks := [lock for folder in _build_folders(name) if os.path.exists(lock := os.path.join(folder, "lock"))]:
+    while locks := [lock for lock in (os.path.join(folder, "lock") for folder in _build_folders(name))
+                    if os.path.exists(lock)]:
         try:
             age = time.time() - os.path.getmtime(locks[0])
         except FileNotFoundError:  # the build ended just now
