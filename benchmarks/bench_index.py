@@ -26,8 +26,6 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import SHORT_HELP, machine, result_line
-
 
 def make_table(path: str, rows: int, shuffled: bool = False) -> None:
     import numpy as np
@@ -91,26 +89,26 @@ def _peak_rss() -> int:
 
 
 def measure(mode: str, path: str, world: int, runs: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_index", "--child", mode, "--path", path,
-                          "--world", str(world), "--runs", str(runs)], capture_output=True, text=True, check=True)
+    # child() alone, without this module's main and its imports (benchmarks.common imports Lightning: 4 s of CPU in
+    # each of a run's five children, which measure the indexing alone).
+    out = subprocess.run([sys.executable, "-c", "import sys; from benchmarks.bench_index import child; "
+                          "child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))", mode, path,
+                          str(world), str(runs)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
+    from benchmarks.common import SHORT_HELP, machine, result_line  # here: not in the children (measure)
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--world", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per case")
     parser.add_argument("--runs", type=int, default=4, help="runs per process (the first is the cold one)")
-    parser.add_argument("--child")
-    parser.add_argument("--path")
     parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
     if args.short:  # a cold run and a warm one
         args.rows, args.repeats, args.runs = 50_000, 1, 2
-    if args.child:
-        child(args.child, args.path, args.world, args.runs)
-        return
     cases = [("pyarrow", "sorted"), ("lit-dist", "sorted"), ("lit-dist+split", "sorted"),
              ("pyarrow", "shuffled"), ("lit-dist", "shuffled")]
     with tempfile.TemporaryDirectory(prefix="lit-dist-bench-") as tmp:
