@@ -14,9 +14,11 @@ import sys
 
 def main() -> None:
     from lit_dist.reading import workers
+    from lit_dist.runtime.extras import bitsandbytes_without_hub_kernels
     from lit_dist.runtime.processes import quiet_resource_tracker
 
     quiet_resource_tracker()  # before any helper process starts
+    bitsandbytes_without_hub_kernels()  # before the config names its optimizer
     argv = sys.argv[1:]
     start = workers.server_for_command(argv)
     early = start is not None and not workers.can_fork_server()

@@ -6,6 +6,7 @@ is built, that what its config names has its extra installed: one line and exit 
 """
 
 import importlib
+import importlib.abc
 import importlib.util
 import logging
 import sys
@@ -53,6 +54,58 @@ def _import_without_bitsandbytes(package: str) -> None:
                 getattr(import_utils, check, lambda: None)()
     finally:
         del sys.modules["bitsandbytes"]
+
+
+def bitsandbytes_without_hub_kernels() -> None:
+    """Make this process's first ``import bitsandbytes`` (a run whose optimizer is its AdamW8bit) run with the
+    ``kernels`` package hidden. On a CPU with AVX-512 BF16 (the hosts of many GPU nodes) bitsandbytes' import asks the
+    Hugging Face Hub, through ``kernels``, for a 4-bit matmul kernel lit-dist never uses: without the Hub's answer
+    every process printed a line about it, and behind a network that accepts and never answers, the import (the
+    reading of the run's config) waited for minutes, with no line at all. Without ``kernels`` bitsandbytes keeps its
+    own kernels, and its one line about it is left out."""
+    if "bitsandbytes" not in sys.modules and not any(isinstance(f, _BitsandbytesFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _BitsandbytesFinder())
+
+
+class _BitsandbytesFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: at the first ``import bitsandbytes`` it leaves ``sys.meta_path`` and hands the real
+    finders' spec on, its loader wrapped by ``_WithoutKernels``."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "bitsandbytes":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _WithoutKernels(spec.loader)
+        return spec
+
+
+class _WithoutKernels(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        hidden, log = sys.modules.get("kernels"), logging.getLogger("bitsandbytes.backends.cpu.ops")
+        notice = _HubKernelNotice()
+        sys.modules["kernels"] = None  # `from kernels import get_kernel` raises ImportError, which bitsandbytes takes
+        log.addFilter(notice)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            log.removeFilter(notice)
+            if hidden is None:
+                del sys.modules["kernels"]
+            else:
+                sys.modules["kernels"] = hidden
+
+
+class _HubKernelNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "from kernels-community" not in record.getMessage()
 
 
 class _TorchvisionNotice(logging.Filter):

@@ -41,3 +41,31 @@ def test_a_pipeline_run_imports_diffusers_and_peft_without_bitsandbytes():
 
 def test_a_run_whose_optimizer_is_bitsandbytes_keeps_it_for_peft_too():
     assert _run("import bitsandbytes.optim\n" + PIPELINE_RUN) == ["True", "True"]
+
+
+def _avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _avx512_bf16(), reason="bitsandbytes asks for a Hub kernel only on CPUs with AVX-512 BF16")
+def test_a_run_with_bitsandbytes_8bit_adamw_asks_the_hub_nothing_at_its_import(tmp_path, demo_data):
+    # A network that accepts and never answers, as the Hub's endpoint: bitsandbytes' import used to wait on it (its
+    # `kernels` asking whether a 4-bit CPU kernel's publisher is trusted), minutes before the run's first line.
+    pytest.importorskip("kernels")
+    from tests.conftest import lit_dist, quickstart_args
+    from tests.helpers.tcp_proxy import TcpProxy
+
+    hub = TcpProxy(("127.0.0.1", 9))
+    hub.silence()
+    try:
+        out = lit_dist("fit", *quickstart_args(tmp_path, demo_data, trainer__max_steps=2, trainer__limit_val_batches=0,
+                                               data__num_workers=0, data__allow_oversubscription=True),
+                       "--model.optimizer", "bitsandbytes.optim.AdamW8bit", env={"HF_ENDPOINT": hub.url}, timeout=120)
+    finally:
+        hub.cut()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kernels-community" not in out.stdout + out.stderr, out.stderr[-3000:]
