@@ -82,13 +82,19 @@ class _BitsandbytesFinder(importlib.abc.MetaPathFinder):
 
 
 class _WithoutKernels(importlib.abc.Loader):
+    """The real loader's, but its ``exec_module`` runs with ``kernels`` hidden; the module keeps the real loader."""
+
     def __init__(self, loader):
         self.loader = loader
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader  # what the package's own code may ask its loader
         hidden, log = sys.modules.get("kernels"), logging.getLogger("bitsandbytes.backends.cpu.ops")
         notice = _HubKernelNotice()
         sys.modules["kernels"] = None  # `from kernels import get_kernel` raises ImportError, which bitsandbytes takes
