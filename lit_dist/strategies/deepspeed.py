@@ -1,9 +1,11 @@
 """``DeepSpeedStrategy``: Lightning's, able to run on CPU processes too (``configs/deepspeed_*.yaml``), and whether
 DeepSpeed is installed."""
 
+import glob
 import importlib.util
 import os
 import re
+import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -185,8 +187,6 @@ def build_cpu_ops(names: list[str], say: bool = True) -> list[str]:
     compiled now, once, with a line saying so and how long it took (``say``: this process speaks for the machine);
     a compile that fails is one ConfigError with the compiler's last error. Returns the names compiled here."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when DeepSpeed is first imported
-    import time
-
     from deepspeed.ops.op_builder import cpu as builders
 
     missing = [name for name in names if not _built(name)]
@@ -221,8 +221,6 @@ def _wait_for_another_build(name: str, say: bool, every_s: float = 30.0) -> None
     """Wait while another process builds operator ``name``: torch's ``lock`` file in its build folder, which torch
     itself waits on forever. A line every ``every_s`` seconds (``say``); a lock older than ``STALE_LOCK_S`` was left
     by a build that was killed (Ctrl-C, a job's time limit): a ConfigError naming the file to delete."""
-    import time
-
     said = time.monotonic()
     while locks := [lock for lock in (os.path.join(folder, "lock") for folder in _build_folders(name))
                     if os.path.exists(lock)]:
@@ -243,16 +241,12 @@ def _wait_for_another_build(name: str, say: bool, every_s: float = 30.0) -> None
 
 def _built(name: str) -> bool:
     """Whether torch's JIT build folder holds operator ``name``, compiled (a build left half done does not count)."""
-    import glob
-
     return any(glob.glob(os.path.join(folder, f"{name}*.so")) for folder in _build_folders(name))
 
 
 def _build_folders(name: str) -> list[str]:
     """torch's build folder of operator ``name``: ``$TORCH_EXTENSIONS_DIR/{name}`` where that is set, else
     ``~/.cache/torch_extensions/py311_cpu/{name}`` (a folder per Python and accelerator build)."""
-    import glob
-
     root = _build_root()
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return [os.path.join(root, name)]
