@@ -23,7 +23,17 @@ is its edge against the background, which such a mask leaves out: whether the sh
 measures. ``--margin N`` grows each mask by N pixels around its shape: the outline shown, and a ring of the
 background colour with it.
 
-    .venv/bin/python -m benchmarks.bench_masked_loss [--masks frame] [--margin 0] [--images 3000] [--epochs 60] [--short]
+With ``--masks subject`` a fine-tuner's case: a subject always photographed against the same backdrop, beside other
+data that shows what backgrounds are (a base model's prior, or regularisation images). The images of one shape
+(``--held``) get a background of one colour (``--backdrop``) that their captions do not name (they keep their own
+background words), and masks of the shape alone (with ``--margin``, and that many pixels of the backdrop around
+it); the other shapes stay as they are, unmasked; the two tables are mixed as two datasets, each weighted by its
+size. Judged on validation captions of the held shape that name neither the backdrop nor it as
+their foreground: its shape and foreground colour (target >= 0.8), and the share of images drawn on the backdrop
+colour in the masked run against the unmasked one (target <= 0.3).
+
+    .venv/bin/python -m benchmarks.bench_masked_loss [--masks frame] [--margin 0] [--held triangle] [--backdrop white]
+        [--images 3000] [--epochs 60] [--short]
 """
 
 import argparse
@@ -34,14 +44,15 @@ import tempfile
 
 import torch
 
-from benchmarks.bench_lora_quality import val_captions
+from benchmarks.bench_lora_quality import split_table, val_captions
 from benchmarks.bench_pipeline_quality import train_judge
 from benchmarks.common import SHORT_HELP, lit_dist, machine, result_line, run_bench
 from lit_dist.data.demo.judge import PROMPT, ShapesJudge
-from lit_dist.data.demo.shapes import CLASSES
+from lit_dist.data.demo.shapes import CLASSES, COLOURS
 
 RATIO_TARGET = 0.2  # masked run's share of framed images / the unmasked run's
-BACKGROUND_TARGET = 0.3  # --masks foreground: masked run's share of images with the prompt's background / unmasked
+BACKGROUND_TARGET = 0.3  # --masks foreground: masked run's share of images with the prompt's background / unmasked;
+# --masks subject: the same for the images drawn on the backdrop colour
 ADHERENCE_TARGET = 0.8
 
 
@@ -68,6 +79,18 @@ class FrameJudge(ShapesJudge):
         return torch.tensor([self.names[bg[i]] != PROMPT.fullmatch(p.strip()).group(3) for i, p in enumerate(prompts)])
 
 
+class BackdropJudge(ShapesJudge):
+    """True where the image's background (its border's colour) is ``backdrop``."""
+
+    backdrop = "white"
+
+    @torch.no_grad()
+    def __call__(self, pixels, prompts):
+        self.check(prompts)
+        _, bg = self.colours(pixels)
+        return torch.tensor([self.names[bg[i]] == self.backdrop for i in range(len(prompts))])
+
+
 def framed_copy(table: str, dest: str, frame: int, seed: int = 0) -> str:
     """The demo table's images, each with a frame of a colour neither of its caption's, and their masks; returns the
     new table's path."""
@@ -75,8 +98,6 @@ def framed_copy(table: str, dest: str, frame: int, seed: int = 0) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
     from PIL import Image, ImageDraw
-
-    from lit_dist.data.demo.shapes import COLOURS
 
     rows = pq.read_table(table)
     source = os.path.dirname(table)
@@ -98,6 +119,21 @@ def framed_copy(table: str, dest: str, frame: int, seed: int = 0) -> str:
     return path
 
 
+def shape_of(pixels, caption: str, margin: int = 0):
+    """The shape in an image's (H, W, 3) float32 ``pixels``: the pixels nearer ``caption``'s foreground colour than
+    its background's, as an (H, W) bool array and as a mask image (white on them) grown by ``margin`` pixels."""
+    import numpy as np
+    from PIL import Image, ImageFilter
+
+    fg, _, bg = PROMPT.fullmatch(caption).groups()
+    near = [np.linalg.norm(pixels - np.array(COLOURS[c], np.float32), axis=-1) for c in (fg, bg)]
+    shape = near[0] < near[1]
+    mask = Image.fromarray(np.where(shape, 255, 0).astype(np.uint8))
+    if margin:
+        mask = mask.filter(ImageFilter.MaxFilter(2 * margin + 1))  # a square of 2 x margin + 1 around each pixel
+    return shape, mask
+
+
 def foreground_copy(table: str, dest: str, margin: int = 0) -> str:
     """The demo table's images as they are, each with a mask of its shape alone: the pixels nearer its caption's
     foreground colour than its background's, and those within ``margin`` pixels of them. Returns the new table's
@@ -105,35 +141,60 @@ def foreground_copy(table: str, dest: str, margin: int = 0) -> str:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from PIL import Image, ImageFilter
-
-    from lit_dist.data.demo.shapes import COLOURS
+    from PIL import Image
 
     shutil.copytree(os.path.dirname(table), dest)
     rows = pq.read_table(table)
     names = []
     for name, caption in zip(rows.column("filename").to_pylist(), rows.column("caption").to_pylist(), strict=True):
-        fg, _, bg = PROMPT.fullmatch(caption).groups()
         pixels = np.asarray(Image.open(os.path.join(dest, name)).convert("RGB"), dtype=np.float32)
-        near = [np.linalg.norm(pixels - np.array(COLOURS[c], np.float32), axis=-1) for c in (fg, bg)]
         os.makedirs(os.path.join(dest, "masks", os.path.dirname(name)), exist_ok=True)
-        mask = Image.fromarray(np.where(near[0] < near[1], 255, 0).astype(np.uint8))
-        if margin:
-            mask = mask.filter(ImageFilter.MaxFilter(2 * margin + 1))  # a square of 2 x margin + 1 around each pixel
-        mask.save(os.path.join(dest, "masks", name))
+        shape_of(pixels, caption, margin)[1].save(os.path.join(dest, "masks", name))
         names.append(f"masks/{name}")
     path = os.path.join(dest, "metadata.parquet")
     pq.write_table(rows.append_column("mask", pa.array(names, pa.string())), path)
     return path
 
 
-def fit(args, table: str, tmp: str, run_id: str, epochs: int, *extra: str) -> tuple[str, float]:
+def subject_copy(table: str, dest: str, held: str, backdrop: str, margin: int = 0) -> tuple[str, str]:
+    """The demo table split in two: every shape but ``held`` as it is (a table beside the demo's), and ``held``'s
+    images in ``dest`` with their background painted ``backdrop`` and masks of the shape alone (a mask column; grown
+    by ``margin`` pixels of the backdrop around it), their captions as they were. Rows whose caption's foreground is
+    ``backdrop`` are left out (a shape of the backdrop's colour would vanish). Returns the two tables' paths."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    others, subject = split_table(table, held)
+    rows = pq.read_table(subject)
+    rows = rows.filter(pc.invert(pc.starts_with(rows["caption"], f"a {backdrop} ")))
+    source = os.path.dirname(table)
+    names = []
+    for name, caption in zip(rows.column("filename").to_pylist(), rows.column("caption").to_pylist(), strict=True):
+        pixels = np.asarray(Image.open(os.path.join(source, name)).convert("RGB"), dtype=np.float32)
+        shape, mask = shape_of(pixels, caption, margin)
+        painted = np.where(shape[..., None], pixels, np.array(COLOURS[backdrop], np.float32)).astype(np.uint8)
+        for folder, picture in ((dest, Image.fromarray(painted)), (os.path.join(dest, "masks"), mask)):
+            os.makedirs(os.path.join(folder, os.path.dirname(name)), exist_ok=True)
+            picture.save(os.path.join(folder, name))
+        names.append(f"masks/{name}")
+    path = os.path.join(dest, "metadata.parquet")
+    pq.write_table(rows.append_column("mask", pa.array(names, pa.string())), path)
+    return others, path
+
+
+def fit(args, table: str | list[dict], tmp: str, run_id: str, epochs: int, *extra: str) -> tuple[str, float]:
     """A run of the t2i quickstart on ``table``; returns its run directory and its steps/s. Its images are decoded in
     the training process: on 2 cores a loader worker beside torch's two threads ran the steps at 1.35/s, against
     1.8-1.9 with the few small PNGs of a step decoded in between."""
     short = ["--model.net.init_args.channels", "[16, 32]"] if args.short else []
+    # A list of datasets (--masks subject) instead of one table.
+    data = ["--data.metadata", table] if isinstance(table, str) else ["--data.metadata", "null", "--data.datasets",
+                                                                      str(table)]
     timed = run_bench([
-        sys.executable, "-m", "lit_dist", "fit", "--config", "configs/t2i_quickstart.yaml", "--data.metadata", table,
+        sys.executable, "-m", "lit_dist", "fit", "--config", "configs/t2i_quickstart.yaml", *data,
         "--data.create_demo_if_missing", "false", "--data.cache.dir", os.path.join(tmp, "cache"),
         "--data.cache.pixels", "false", "--data.allow_oversubscription", "true", "--data.num_workers", "0",
         "--trainer.max_epochs", str(epochs), "--trainer.enable_progress_bar", "false",
@@ -157,25 +218,42 @@ def judged(args, run: str, prompts: list[str], classifier: str) -> dict[str, flo
     h, w = pixels.shape[0] // len(prompts), pixels.shape[1] // 4
     tiles = pixels.view(len(prompts), h, 4, w, 3).permute(0, 2, 4, 1, 3).reshape(-1, 3, h, w)
     asked = [p for p in prompts for _ in range(4)]
+    BackdropJudge.backdrop = args.backdrop
     return {name: judge(classifier)(tiles, asked).float().mean().item()
-            for name, judge in (("adherence", ShapesJudge), ("shape", ShapeJudge), ("framed", FrameJudge))}
+            for name, judge in (("adherence", ShapesJudge), ("shape", ShapeJudge), ("framed", FrameJudge),
+                                ("backdrop", BackdropJudge))}
 
 
 def run(args, tmp: str) -> dict:
+    import pyarrow.parquet as pq
+
     from lit_dist.data.demo.shapes import create_shapes_dataset
 
     table = os.path.join(tmp, "shapes", "metadata.parquet")
     create_shapes_dataset(table, num_images=args.images, seed=0)
     classifier = args.judge or train_judge(tmp, table, args.judge_epochs)
-    if args.masks == "frame":
-        framed = framed_copy(table, os.path.join(tmp, "framed"), args.frame)
+    if args.masks == "subject":
+        others, subject = subject_copy(table, os.path.join(tmp, "subject"), args.held, args.backdrop,
+                                       args.margin)
+        # Captions that name the backdrop as their background would count a right image as drawn on it.
+        prompts = [p for p in val_captions(subject, 10 ** 6) if not p.endswith(f" {args.backdrop} background")]
+        prompts = prompts[:args.prompts]
+        # Each dataset's share of the batches is its share of the images, as in one table.
+        weights = [pq.read_metadata(t).num_rows for t in (subject, others)]
+        runs = {name: ([{"metadata": subject, "weight": weights[0], **mask},
+                        {"metadata": others, "weight": weights[1]}], [])
+                for name, mask in (("masked", {"mask_column": "mask"}), ("unmasked", {}))}
     else:
-        framed = foreground_copy(table, os.path.join(tmp, "foreground"), args.margin)
-    prompts = val_captions(framed, args.prompts)
+        if args.masks == "frame":
+            framed = framed_copy(table, os.path.join(tmp, "framed"), args.frame)
+        else:
+            framed = foreground_copy(table, os.path.join(tmp, "foreground"), args.margin)
+        prompts = val_captions(framed, args.prompts)
+        runs = {"masked": (framed, ["--data.mask_column", "mask"]), "unmasked": (framed, [])}
     figures = {}
-    for name, epochs, extra in (("masked", args.epochs, ["--data.mask_column", "mask"]),
-                                ("unmasked", args.baseline_epochs, [])):
-        run_dir, figures[f"{name}_steps_per_s"] = fit(args, framed, tmp, name, epochs, *extra)
+    for name, epochs in (("masked", args.epochs), ("unmasked", args.baseline_epochs)):
+        data, extra = runs[name]
+        run_dir, figures[f"{name}_steps_per_s"] = fit(args, data, tmp, name, epochs, *extra)
         scores = judged(args, run_dir, prompts, classifier)
         figures.update({f"{name}_{what}": score for what, score in scores.items()})
         said = ", ".join(f"{what} {score:.3f}" for what, score in scores.items())
@@ -185,8 +263,9 @@ def run(args, tmp: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--masks", choices=["frame", "foreground"], default="frame",
-                        help="what the masks leave out: a frame painted around each image, or each shape's background")
+    parser.add_argument("--masks", choices=["frame", "foreground", "subject"], default="frame",
+                        help="what the masks leave out: a frame painted around each image, each shape's background, "
+                             "or the backdrop of one shape's images beside unmasked others")
     parser.add_argument("--images", type=int, default=3000, help="demo shapes (the quickstarts' 3,000)")
     parser.add_argument("--epochs", type=int, default=60, help="epochs of each run (the t2i quickstart's 60)")
     # The frames' colours are learned long before the shapes (the t2i quickstart's colours were right at step 830 of
@@ -195,7 +274,12 @@ def main() -> None:
     parser.add_argument("--baseline-epochs", type=int, default=20, help="epochs of the unmasked run")
     parser.add_argument("--frame", type=int, default=4, help="the frame's width in the images' pixels (36-72 a side)")
     parser.add_argument("--margin", type=int, default=0,
-                        help="--masks foreground: pixels of background each mask keeps around its shape (its outline)")
+                        help="--masks foreground or subject: pixels of background each mask keeps around its shape "
+                             "(its outline)")
+    parser.add_argument("--held", default="triangle", choices=CLASSES,
+                        help="--masks subject: the shape whose images get the backdrop and the masks")
+    parser.add_argument("--backdrop", default="white", choices=list(COLOURS),
+                        help="--masks subject: the colour of those images' background")
     parser.add_argument("--prompts", type=int, default=32, help="validation captions, 4 images each")
     parser.add_argument("--sample-steps", type=int, default=20, help="sampler steps")
     parser.add_argument("--judge", help="the quickstart classifier's model.pt; default: train it here (about a minute)")
@@ -205,8 +289,10 @@ def main() -> None:
     if args.short:
         args.images, args.epochs, args.baseline_epochs, args.prompts, args.sample_steps = 64, 1, 1, 2, 2
         args.judge_epochs = 1
-    masks = f"framed by {args.frame} pixels" if args.masks == "frame" else \
-        f"masked to their shapes and {args.margin} pixels around them"
+    masks = {"frame": f"framed by {args.frame} pixels",
+             "foreground": f"masked to their shapes and {args.margin} pixels around them",
+             "subject": f"the {args.held}s on {args.backdrop} masked to their shapes and {args.margin} pixels "
+                        "around them, the others unmasked"}[args.masks]
     print(f"machine: {machine()}; {args.images} demo shapes {masks}; {args.epochs} epochs masked, "
           f"{args.baseline_epochs} unmasked", flush=True)
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-masked-")
@@ -219,14 +305,20 @@ def main() -> None:
         ratio = figures["masked_framed"] / figures["unmasked_framed"] if figures["unmasked_framed"] else 0.0
         met = ratio <= RATIO_TARGET and figures["masked_adherence"] >= ADHERENCE_TARGET
         target = f"<= {RATIO_TARGET}; masked adherence >= {ADHERENCE_TARGET}"
+    elif args.masks == "subject":
+        # Images drawn on the backdrop (which no prompt names) by the masked run against the unmasked one.
+        ratio = figures["masked_backdrop"] / figures["unmasked_backdrop"] if figures["unmasked_backdrop"] else 1.0
+        met = ratio <= BACKGROUND_TARGET and figures["masked_shape"] >= ADHERENCE_TARGET
+        target = f"<= {BACKGROUND_TARGET}; masked shape >= {ADHERENCE_TARGET}"
     else:
         # The prompt's background colour (no "frame" at the border) in the masked run's images against the unmasked.
         background = {name: 1 - figures[f"{name}_framed"] for name in ("masked", "unmasked")}
         ratio = background["masked"] / background["unmasked"] if background["unmasked"] else 1.0
         met = ratio <= BACKGROUND_TARGET and figures["masked_shape"] >= ADHERENCE_TARGET
         target = f"<= {BACKGROUND_TARGET}; masked shape >= {ADHERENCE_TARGET}"
-    result_line("masked_loss", round(ratio, 3), target, met, masks=args.masks, margin=args.margin, machine=machine(), **figures,
-                short=args.short)
+    subject = {"held": args.held, "backdrop": args.backdrop} if args.masks == "subject" else {}
+    result_line("masked_loss", round(ratio, 3), target, met, masks=args.masks, margin=args.margin, **subject,
+                machine=machine(), **figures, short=args.short)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 # profile_step is a profiler, but it ends with a result line as the benchmarks do.
 BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("bench_*.py")) + ["profile_step"]
+# Modes of a benchmark whose code its default run leaves out, each run short too: the arguments after --short.
+MODES = {"bench_masked_loss": [["--masks", "subject", "--margin", "1"]]}
 # Optional extras (pyproject's [project.optional-dependencies]; .ci/setup installs them all) a benchmark needs.
 EXTRAS = {"bench_cache": ["diffusers"], "bench_generative": ["diffusers", "transformers"],
           "bench_pipeline": ["diffusers", "transformers", "accelerate"],
@@ -36,14 +38,14 @@ TIMEOUT_S = 540
 COMMAND_TIMEOUT_S = 240
 
 
-def run_short(name: str, tmp_path) -> subprocess.CompletedProcess:
+def run_short(name: str, tmp_path, *mode: str) -> subprocess.CompletedProcess:
     """``python -m benchmarks.NAME --short`` from the repository root (on a hang its stacks; fails the test if any
     of its processes outlive it), its runs, caches and grids in the test's folder: some benchmarks leave their
     temporary folders behind."""
     # WARM: the benchmark forks its lit-dist commands from a warm process of its own (benchmarks.common.command).
     env = {"TMPDIR": str(tmp_path), "LIT_DIST_BENCH_COMMAND_TIMEOUT_S": str(COMMAND_TIMEOUT_S),
            "LIT_DIST_BENCH_WARM": "1"}
-    return run_module(f"benchmarks.{name}", "--short", timeout=TIMEOUT_S, env=env)
+    return run_module(f"benchmarks.{name}", "--short", *mode, timeout=TIMEOUT_S, env=env)
 
 
 # Long short runs (bench_cache 352 s, bench_generative 223 s, bench_lora_quality 146 s on two busy cores): .ci/test runs
@@ -51,11 +53,13 @@ def run_short(name: str, tmp_path) -> subprocess.CompletedProcess:
 BESIDE = {"bench_cache", "bench_generative", "bench_lora_quality"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.beside) if n in BESIDE else n for n in BENCHMARKS])
-def test_the_short_run_ends_with_its_result_line(name, tmp_path):
+@pytest.mark.parametrize(("name", "mode"), [
+    pytest.param(n, m, marks=[pytest.mark.beside] if n in BESIDE else [], id=" ".join([n, *m]))
+    for n in BENCHMARKS for m in [[], *MODES.get(n, [])]])
+def test_the_short_run_ends_with_its_result_line(name, mode, tmp_path):
     for module in EXTRAS.get(name, []):
         pytest.importorskip(module, reason=f"{name} needs {module} (an optional extra; bash .ci/setup test installs it)")
-    out = run_short(name, tmp_path)
+    out = run_short(name, tmp_path, *mode)
     # 2: argparse refused the command line (no --short).
     assert out.returncode == 0, f"exit {out.returncode}; stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
     lines = [line for line in out.stdout.splitlines() if line.strip()]
