@@ -88,14 +88,14 @@ def lit_dist_checkpoint(path: str) -> str | None:
     return choice.state
 
 
-TRUST = "run the export again with --trust_pickle true"
+TRUST = "run the command again with --trust_pickle true"
 
 
-def load_checkpoint_state(path: str, trust_pickle: bool = False) -> dict:
+def load_checkpoint_state(path: str, trust_pickle: bool = False, opt_in: str = TRUST) -> dict:
     """The LightningModule state dict held by any checkpoint lit-dist or Lightning writes.
 
     ``trust_pickle`` unpickles every type the files name (only for files the user trusts); otherwise
-    a file naming a type beyond lit-dist's own raises ``UntrustedPickle`` (a DataError).
+    a file naming a type beyond lit-dist's own raises ``UntrustedPickle`` (a DataError) ending with ``opt_in``.
     """
     from lit_dist.ckpt import pickles
     from lit_dist.ckpt.deepspeed_files import is_deepspeed
@@ -103,16 +103,16 @@ def load_checkpoint_state(path: str, trust_pickle: bool = False) -> dict:
     path = lit_dist_checkpoint(path) or path
     if os.path.isdir(path):
         if is_deepspeed(path):
-            return _deepspeed_state(path, trust_pickle)
+            return _deepspeed_state(path, trust_pickle, opt_in)
         if os.path.exists(os.path.join(path, ".metadata")):
-            return _dcp_state(path, trust_pickle)
+            return _dcp_state(path, trust_pickle, opt_in)
         raise DataError(f"{path} is a folder but neither a DeepSpeed checkpoint (no 'latest') nor a sharded "
                         "torch.distributed checkpoint (no '.metadata')")
-    checkpoint = pickles.load(path, TRUST, trust=trust_pickle)
+    checkpoint = pickles.load(path, opt_in, trust=trust_pickle)
     return checkpoint.get("state_dict", checkpoint)
 
 
-def _dcp_state(path: str, trust: bool) -> dict:
+def _dcp_state(path: str, trust: bool, opt_in: str) -> dict:
     """The module's tensors of a sharded checkpoint, read without its pickled non-tensor entries.
 
     torch's own converter (``dcp_to_torch_save``) unpickles the `.metadata` file and every non-tensor
@@ -124,7 +124,7 @@ def _dcp_state(path: str, trust: bool) -> dict:
 
     from lit_dist.ckpt.sharded import ShardReader
 
-    reader = ShardReader(path, TRUST, trust=trust)
+    reader = ShardReader(path, opt_in, trust=trust)
     tensors = {k: v for k, v in reader.read_metadata().state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     # Lightning keeps the module under "state_dict" (ModelParallelStrategy, FSDP2) or "model" (FSDP1 sharded).
     prefix = next((p for p in ("state_dict.", "model.") if any(k.startswith(p) for k in tensors)), "")
@@ -133,7 +133,7 @@ def _dcp_state(path: str, trust: bool) -> dict:
     return {k[len(prefix):]: v for k, v in state.items()}
 
 
-def _deepspeed_state(path: str, trust: bool) -> dict:
+def _deepspeed_state(path: str, trust: bool, opt_in: str) -> dict:
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as exc:
@@ -141,11 +141,11 @@ def _deepspeed_state(path: str, trust: bool) -> dict:
                         "pip install --no-build-isolation deepspeed") from exc
     from lit_dist.ckpt import vetting
 
-    vetting.vet_deepspeed(path, TRUST, trust=trust)  # its converter loads every file as a full pickle
-    return _zero3_averages(path, get_fp32_state_dict_from_zero_checkpoint(path), trust)
+    vetting.vet_deepspeed(path, opt_in, trust=trust)  # its converter loads every file as a full pickle
+    return _zero3_averages(path, get_fp32_state_dict_from_zero_checkpoint(path), trust, opt_in)
 
 
-def _zero3_averages(path: str, state: dict, trust: bool) -> dict:
+def _zero3_averages(path: str, state: dict, trust: bool, opt_in: str) -> dict:
     """``state`` with each ZeRO-3 weight average put back together. Under ZeRO-3 every rank keeps the average of its
     own partition of each parameter (a flat slice, the last one padded) in its own model-states file, where
     DeepSpeed's converter takes buffers from rank 0's file only: the ranks' slices, in rank order, cut to the
@@ -158,7 +158,7 @@ def _zero3_averages(path: str, state: dict, trust: bool) -> dict:
     if not partitioned:
         return state
     files = rank_files(path, "model_states")
-    ranks = [pickles.load(f, TRUST, trust=trust, allowed=pickles.deepspeed_types(), mmap=True)["module"] for f in files]
+    ranks = [pickles.load(f, opt_in, trust=trust, allowed=pickles.deepspeed_types(), mmap=True)["module"] for f in files]
     for key in partitioned:
         shape = state["net." + key[len(EMA_PREFIX):]].shape
         whole = torch.cat([rank[key].reshape(-1) for rank in ranks])

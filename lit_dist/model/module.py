@@ -39,6 +39,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lit_dist.ckpt.init_weights import start_from
 from lit_dist.ckpt.match import differences, left_out, may_lack, refuse
 from lit_dist.errors import ConfigError
 from lit_dist.model.adapters import Adapter, base_fingerprint, base_names
@@ -88,6 +89,8 @@ class LitModel(LightningModule):
         input_key: str = "image",
         target_key: str = "label",
         float32_matmul_precision: Literal["highest", "high", "medium"] = "high",
+        init_weights: str | None = None,
+        init_weights_skip: tuple[str, ...] = (),
     ):
         """Wrap a network.
 
@@ -113,6 +116,11 @@ class LitModel(LightningModule):
             target_key: Key of the target in a batch.
             float32_matmul_precision: float32 matrix products on GPUs: highest (true float32), high (TF32 tensor
                 cores) or medium (bf16); CPU runs are left as they are.
+            init_weights: Start the network from these weights: a file lit-dist export wrote, a checkpoint (its
+                network's weights alone; the run starts at step 0), or a state dict (.safetensors, .pt, .pth, .bin).
+                Keep it until the run ends: a resumed run reads it again (an adapter's base), then its checkpoint.
+            init_weights_skip: Tensors of the network left at their initialisation instead (fnmatch patterns of its
+                state-dict names; head names head.weight and head.bias): a new head for other classes.
         """
         super().__init__()
         if net is None:
@@ -144,6 +152,9 @@ class LitModel(LightningModule):
                                 f"model.objective ({type(objective).__name__}), and its forward{signature} does "
                                 "not take them: name a denoiser (lit_dist.model.nets.TinyUNet, diffusers' "
                                 "UNet2DConditionModel or DiTTransformer2DModel) or wrap yours")
+        if init_weights_skip and init_weights is None:
+            problems.append("model.init_weights_skip is set and model.init_weights is not: name the weights to start "
+                            "from, or leave init_weights_skip out")
         if objective is not None and loss is not None:
             problems.append("model.loss is the classification loss; with model.objective set, give it as "
                             "model.objective.init_args.loss (Classification) or leave it out")
@@ -153,6 +164,8 @@ class LitModel(LightningModule):
             # left unused); every process of a run builds its own LitModel, so each gets it.
             torch.set_float32_matmul_precision(float32_matmul_precision)
         self.save_hyperparameters(ignore=["net", "loss", "objective", "adapter", "ema"])
+        if init_weights is not None:  # before an adapter wraps the net, so its base is what the run starts from
+            rank_zero_info(start_from(net, init_weights, init_weights_skip))
         self.adapter = adapter
         self.base_state: set[str] = set()  # the state-dict names of an adapter's frozen base: never in a checkpoint
         if adapter is not None:

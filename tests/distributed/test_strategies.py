@@ -100,3 +100,14 @@ def test_fsdp2_under_bf16_mixed_gathers_bf16_and_keeps_float32_weights(single, t
     np.testing.assert_allclose(losses, single[1], rtol=0.05)
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
+
+
+def test_fsdp2_starts_every_shard_from_model_init_weights(single, tmp_path, demo_data):
+    # lr 0: the run's weights stay what it started from, and its consolidated model.pt gathers every rank's shards.
+    start = single[0] / "model.pt"
+    run_dir, _ = run(tmp_path, demo_data, "from-weights", 2, 8, "--config", str(CONFIGS / "fsdp2.yaml"),
+                     "--model.init_weights", str(start), "--model.optimizer.init_args.lr", "0", "--trainer.max_steps", "1")
+    began, ended = (torch.load(path, weights_only=True) for path in (start, run_dir / "model.pt"))
+    assert began.keys() == ended.keys()
+    for key in began:
+        torch.testing.assert_close(ended[key], began[key], rtol=0, atol=0, msg=key)

@@ -155,6 +155,27 @@ def test_a_checkpoint_holds_the_adapter_and_refuses_another_base(calls):
     older.load_state_dict(whole, strict=True)
 
 
+def test_an_adapter_trains_on_the_base_model_init_weights_gives_and_a_checkpoint_names_it(calls, tmp_path):
+    """A base fine-tuned before (model.init_weights over the folder's denoiser) is the adapter's base: its weights are
+    the frozen ones, and the checkpoint's fingerprint is of it, so a resume on the folder's own base is refused."""
+    folder, _ = calls["sdxl"]
+    tuned = PipelineDenoiser(str(folder))
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.mul_(1.5)
+    path = tmp_path / "tuned.pt"
+    torch.save(tuned.state_dict(), path)
+
+    model = LitModel(PipelineDenoiser(str(folder)), adapter=Adapter(rank=4), lr_scaling="none", init_weights=str(path))
+    frozen = {n.replace(".base_layer", ""): p for n, p in model.net.named_parameters() if not p.requires_grad}
+    assert frozen and all(torch.equal(p, tuned.state_dict()[n]) for n, p in frozen.items())
+    plain = LitModel(PipelineDenoiser(str(folder)), adapter=Adapter(rank=4), lr_scaling="none")
+    with pytest.raises(ConfigError, match="holds an adapter trained on another base than this run's model.net"):
+        plain.check_base(model.state_dict()["adapter_base"], "ckpt")
+    again = LitModel(PipelineDenoiser(str(folder)), adapter=Adapter(rank=4), lr_scaling="none", init_weights=str(path))
+    again.check_base(model.state_dict()["adapter_base"], "ckpt")
+
+
 @pytest.mark.parametrize("family,kind", [("sdxl", "dora"), ("flux", "lokr")])
 def test_a_merged_export_is_the_base_plus_the_adapter_at_its_scale(calls, family, kind, tmp_path):
     """--merge: the pipeline folder written with the adapter merged into the base's weights computes what the base
