@@ -9,6 +9,7 @@ the caller trusts it (``lit-dist export --trust_pickle``).
 """
 
 import os
+import zipfile
 
 import torch
 
@@ -91,11 +92,13 @@ def lit_dist_checkpoint(path: str) -> str | None:
 TRUST = "run the command again with --trust_pickle true"
 
 
-def load_checkpoint_state(path: str, trust_pickle: bool = False, opt_in: str = TRUST) -> dict:
+def load_checkpoint_state(path: str, trust_pickle: bool = False, opt_in: str = TRUST, mmap: bool = False) -> dict:
     """The LightningModule state dict held by any checkpoint lit-dist or Lightning writes.
 
     ``trust_pickle`` unpickles every type the files name (only for files the user trusts); otherwise
     a file naming a type beyond lit-dist's own raises ``UntrustedPickle`` (a DataError) ending with ``opt_in``.
+    ``mmap``: a file's tensors stay in its memory map, read as they are used (torch.save's zip format; the legacy one
+    of torch < 1.6 is read whole).
     """
     from lit_dist.ckpt import pickles
     from lit_dist.ckpt.deepspeed_files import is_deepspeed
@@ -108,7 +111,7 @@ def load_checkpoint_state(path: str, trust_pickle: bool = False, opt_in: str = T
             return _dcp_state(path, trust_pickle, opt_in)
         raise DataError(f"{path} is a folder but neither a DeepSpeed checkpoint (no 'latest') nor a sharded "
                         "torch.distributed checkpoint (no '.metadata')")
-    checkpoint = pickles.load(path, opt_in, trust=trust_pickle)
+    checkpoint = pickles.load(path, opt_in, trust=trust_pickle, mmap=mmap and zipfile.is_zipfile(path))
     return checkpoint.get("state_dict", checkpoint)
 
 

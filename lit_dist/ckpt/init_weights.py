@@ -11,7 +11,7 @@ it, so DDP, FSDP2 and DeepSpeed (ZeRO-3 partitions the parameters later, in its 
 """
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from fnmatch import fnmatchcase
 
 import torch
@@ -24,25 +24,30 @@ from lit_dist.errors import ConfigError, DataError
 # What wraps a network's names in the files users bring: LitModel's own (net.), DDP's and DeepSpeed's (module.,
 # _forward_module.), torch.compile's (_orig_mod.), and the "model." of many training scripts' checkpoints.
 WRAPPERS = ("net.", "module.", "_forward_module.", "_orig_mod.", "model.")
+CHUNK_BYTES = 1 << 30  # tensors of a file copied into the network per load_state_dict: the most held twice at once
 
 
 def start_from(net: nn.Module, path: str, skip: Sequence[str] = ()) -> str:
     """Load ``path``'s weights into ``net`` in place, all but the tensors ``skip`` names (fnmatch patterns; a
     pattern without a wildcard also names every tensor under it: ``head`` is ``head.weight`` and ``head.bias``).
-    Returns the line to print; raises ConfigError (exit 2) for a file that does not fit ``net``."""
+    Returns the line to print; raises ConfigError (exit 2) for a file that does not fit ``net``.
+
+    The ranks of a node read a file through the page cache they share (memory-mapped), and each copies it into its
+    network a gigabyte at a time instead of first reading all of it into memory of its own (checkpoint folders,
+    sharded or DeepSpeed's, are read whole)."""
     if not os.path.exists(path):
         raise ConfigError(f"model.init_weights = {path!r}: no such file or folder")
-    state = _read(path)
-    averaged = any(key.startswith(EMA_PREFIX) for key in state)
+    tensors, shapes = _open(path)
+    averaged = any(key.startswith(EMA_PREFIX) for key in shapes)
     own = net.state_dict()
-    state = _named_as(state, own.keys())
-    left = {name for name in own.keys() | state.keys() if _skipped(name, skip)}
+    names = _named_as(shapes.keys(), own.keys())  # the network's name -> the file's
+    left = {name for name in own.keys() | names.keys() if _skipped(name, skip)}
     unused = [pattern for pattern in skip if not any(_skipped(name, [pattern]) for name in left)]
     if unused:
         raise ConfigError(f"model.init_weights_skip: {unused[0]!r} names no tensor of model.net or of "
                           f"{path} (model.net's first: {', '.join(list(own)[:3])}): fix the pattern or leave it out")
-    saved = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items() if k not in left}
-    wanted = {k: tuple(v.shape) for k, v in own.items() if k not in left}
+    saved = {name: shapes[key] for name, key in names.items() if name not in left}
+    wanted = {name: tuple(value.shape) for name, value in own.items() if name not in left}
     if wanted and not saved.keys() & wanted.keys():
         raise ConfigError(f"model.init_weights: none of the {len(saved)} tensors of {path} is named as model.net's "
                           f"(its first: {next(iter(saved), 'none')}; model.net's: {next(iter(wanted))}): weights of "
@@ -53,40 +58,75 @@ def start_from(net: nn.Module, path: str, skip: Sequence[str] = ()) -> str:
         raise ConfigError(f"model.init_weights: {path} {found[0]}{more}. Name the tensors to leave at their "
                           "initialisation in model.init_weights_skip (a new head: its name, as head), or use weights "
                           "saved from this model.net")
-    net.load_state_dict({k: v for k, v in state.items() if k not in left}, strict=False)
+    for chunk in _chunks(list(wanted), own):
+        net.load_state_dict({name: tensors[names[name]] for name in chunk}, strict=False)
     kept = f"; {len(left & own.keys())} left at their initialisation ({', '.join(sorted(skip))})" if left else ""
     average = (" (its weight average is not used: `lit-dist export CHECKPOINT --ema true --output FILE` writes it "
                "as a file to start from)") if averaged else ""
     return f"lit-dist: model.net starts from {path}: {len(wanted)} tensors{kept}{average}"
 
 
-def _read(path: str) -> dict:
+class _Safetensors(Mapping):
+    """A .safetensors file's tensors, each read when asked for (from the file's memory map)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self._file = safe_open(path, "pt")
+        self.shapes = {key: tuple(self._file.get_slice(key).get_shape()) for key in self._file.keys()}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._file.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def _open(path: str) -> tuple[Mapping, dict]:
+    """The file's tensors by name, and their shapes (None for an entry that is no tensor)."""
     if path.endswith(".safetensors"):
         from lit_dist.runtime.extras import require
 
         require("safetensors", "model.init_weights (a .safetensors file)")
         from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         try:
-            return load_file(path)
+            tensors = _Safetensors(path)
         except (SafetensorError, OSError) as exc:
             raise DataError(f"model.init_weights: {path} cannot be read as safetensors: {exc}") from None
+        return tensors, tensors.shapes
     opt_in = (f"convert it once with `lit-dist export {path} --trust_pickle true --output weights.safetensors` and "
               "name that file as model.init_weights")
-    return load_checkpoint_state(path, opt_in=opt_in)
+    state = load_checkpoint_state(path, opt_in=opt_in, mmap=True)  # sharded and DeepSpeed folders: read whole
+    return state, {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in state.items()}
 
 
-def _named_as(state: dict, names) -> dict:
-    """``state`` with the wrappers' prefixes (up to three, one inside another) taken off its names, as matches most
-    of ``names``."""
+def _named_as(keys, names) -> dict[str, str]:
+    """The file's ``keys`` by the network's ``names``: as they are, or with the wrappers' prefixes (up to three, one
+    inside another) taken off, as matches most of ``names``."""
     names = set(names)
-    best, wrapped = state, [state]
+    best = {key: key for key in keys}
+    wrapped = [best]
     for _ in range(3):
         wrapped = [stripped for option in wrapped for prefix in WRAPPERS
                    if (stripped := {k[len(prefix):]: v for k, v in option.items() if k.startswith(prefix)})]
         best = max([best, *wrapped], key=lambda option: len(option.keys() & names))  # the first of the best: fewest taken off
     return best
+
+
+def _chunks(names: list[str], own: dict) -> Iterator[list[str]]:
+    chunk, size = [], 0
+    for name in names:
+        chunk.append(name)
+        size += own[name].numel() * own[name].element_size()
+        if size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
 
 
 def _skipped(name: str, patterns: Sequence[str]) -> bool:

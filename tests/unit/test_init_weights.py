@@ -29,8 +29,12 @@ def same(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("form", ["safetensors", "ddp", "lightning", "compiled"])
-def test_a_state_dict_in_the_forms_users_bring_loads_whole(tmp_path, form):
+def test_a_state_dict_in_the_forms_users_bring_loads_whole(tmp_path, form, monkeypatch):
     from safetensors.torch import save_file
+
+    from lit_dist.ckpt import init_weights
+
+    monkeypatch.setattr(init_weights, "CHUNK_BYTES", 4096)  # copied in several parts, as a big model's file is
 
     source = trained().state_dict()
     path = str(tmp_path / ("w.safetensors" if form == "safetensors" else "w.pt"))
