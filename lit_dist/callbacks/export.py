@@ -82,8 +82,8 @@ def _as_pipeline(trainer, pl_module, state: dict, path: str) -> bool:
         from lit_dist.model.adapter_export import adapter_card, write_adapter
 
         target = Path(path).expanduser().absolute()
-        card = adapter_card(adapter, net.folder, path, write_adapter(net.folder, net.model, adapter, state, path,
-                                                                     replace=True))
+        kind = write_adapter(net.folder, net.model, adapter, state, path, replace=True)
+        card = adapter_card(adapter, net.folder, path, kind, pl_module.hparams.get("init_weights"))
     run = Path(path).parent
     facts = {"step": trainer.global_step, "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__}
     write_card(target, net.folder.path, net.family, net.folder.index["_class_name"], f"the end of the run {run}",

@@ -66,6 +66,12 @@ def start_from(net: nn.Module, path: str, skip: Sequence[str] = ()) -> str:
     return f"lit-dist: model.net starts from {path}: {len(wanted)} tensors{kept}{average}"
 
 
+def init_weights_of(config: dict) -> tuple[str | None, list[str]]:
+    """``model.init_weights`` and ``model.init_weights_skip`` of a run's saved config (a dict of its config.yaml)."""
+    model = (config.get("model") or {}).get("init_args") or config.get("model") or {}
+    return model.get("init_weights"), list(model.get("init_weights_skip") or ())
+
+
 class _Safetensors(Mapping):
     """A .safetensors file's tensors, each read when asked for (from the file's memory map)."""
 
@@ -105,16 +111,28 @@ def _open(path: str) -> tuple[Mapping, dict]:
 
 
 def _named_as(keys, names) -> dict[str, str]:
-    """The file's ``keys`` by the network's ``names``: as they are, or with the wrappers' prefixes (up to three, one
-    inside another) taken off, as matches most of ``names``."""
-    names = set(names)
-    best = {key: key for key in keys}
-    wrapped = [best]
+    """The file's ``keys`` by the network's ``names``, matched with the wrappers' prefixes (up to three, one inside
+    another) taken off either side, as matches most of them: a file of a LightningModule into its bare network, or
+    a bare diffusers model's file into the network that holds it as ``model``. Keys matched to no name keep their
+    own, prefixes off."""
+    best, most = {key: key for key in keys}, -1
+    for name_of in _unwrapped(names):  # the first of the best: fewest prefixes taken off
+        for key_of in _unwrapped(keys):
+            matched = len(key_of.keys() & name_of.keys())
+            if matched > most:
+                best, most = {name_of.get(bare, bare): key for bare, key in key_of.items()}, matched
+    return best
+
+
+def _unwrapped(keys) -> list[dict[str, str]]:
+    """``keys`` as they are, then with each chain of up to three wrappers' prefixes taken off those that have it:
+    each a dict of the names left -> the key."""
+    options = wrapped = [{key: key for key in keys}]
     for _ in range(3):
         wrapped = [stripped for option in wrapped for prefix in WRAPPERS
                    if (stripped := {k[len(prefix):]: v for k, v in option.items() if k.startswith(prefix)})]
-        best = max([best, *wrapped], key=lambda option: len(option.keys() & names))  # the first of the best: fewest taken off
-    return best
+        options = options + wrapped
+    return options
 
 
 def _chunks(names: list[str], own: dict) -> Iterator[list[str]]:

@@ -13,6 +13,7 @@ folder (``lit-dist export --merge true``).
 """
 
 import copy
+from collections.abc import Sequence
 from pathlib import Path
 
 from lit_dist.model.adapters import Adapter, adapter_layers, base_fingerprint, base_names, scaled
@@ -81,41 +82,49 @@ def empty_adapted_denoiser(folder, adapter: Adapter):
     return model
 
 
-def adapter_card(adapter: Adapter, folder, output: str, kind: str) -> tuple[str, list[str]]:
+def adapter_card(adapter: Adapter, folder, output: str, kind: str, init_weights: str | None = None) -> tuple[str, list[str]]:
     """For the model card of the adapter folder ``output`` of ``kind`` (write_adapter's) on the pipeline folder
-    ``folder``: what the adapter is, and the lines of Python that load it onto its base."""
+    ``folder`` (its denoiser's weights from ``init_weights`` where the run started from a file): what the adapter is,
+    and the lines of Python that load it onto its base."""
     name, base, denoiser = Path(output).expanduser().absolute().name, folder.path, folder.family.denoiser
+    started = ([f"# the adapter was trained on this pipeline with its {denoiser}'s weights from {init_weights} "
+                f"(model.init_weights): load them into pipeline.{denoiser} first"] if init_weights else [])
     if kind in ("diffusers", "kohya"):
         weight = f', weight_name="{kohya_file(output)}"' if kind == "kohya" else ""
         lines = ["from diffusers import DiffusionPipeline", f'pipeline = DiffusionPipeline.from_pretrained("{base}")',
-                 f'pipeline.load_lora_weights("{name}"{weight})']
+                 *started, f'pipeline.load_lora_weights("{name}"{weight})']
     else:
         lines = ["from diffusers import DiffusionPipeline",
                  "from peft import PeftConfig, inject_adapter_in_model, set_peft_model_state_dict",
                  "from safetensors.torch import load_file",
-                 f'pipeline = DiffusionPipeline.from_pretrained("{base}")',
+                 f'pipeline = DiffusionPipeline.from_pretrained("{base}")', *started,
                  f'config = PeftConfig.from_pretrained("{name}")',
                  f"inject_adapter_in_model(config, pipeline.{denoiser})",
                  f'set_peft_model_state_dict(pipeline.{denoiser}, load_file("{name}/{PEFT_FILES[1]}"))']
-    return adapter.describe(), lines
+    return adapter.describe() + (f", on a {denoiser} started from {init_weights}" if init_weights else ""), lines
 
 
-def merged_weights(folder, adapter: Adapter, state: dict, fingerprint=None, scale: float = 1.0) -> dict:
-    """The denoiser of ``folder`` (a ``PipelineFolder``) with the adapter of ``state`` (a ``PipelineDenoiser``'s
-    state dict) merged into its weights at ``scale``: a ``PipelineDenoiser``'s state dict without the adapter, as
-    ``write_pipeline`` writes it. ``fingerprint``: the base's the checkpoint holds (a ConfigError if the folder's
-    denoiser is another one)."""
+def merged_weights(folder, adapter: Adapter, state: dict, fingerprint=None, scale: float = 1.0,
+                   init_weights: str | None = None, init_weights_skip: Sequence[str] = ()) -> dict:
+    """The denoiser of ``folder`` (a ``PipelineFolder``; its weights from ``init_weights`` where the run started from
+    a file) with the adapter of ``state`` (a ``PipelineDenoiser``'s state dict) merged into its weights at ``scale``:
+    a ``PipelineDenoiser``'s state dict without the adapter, as ``write_pipeline`` writes it. ``fingerprint``: the
+    base's the checkpoint holds (a ConfigError if the folder's denoiser is another one)."""
     import torch
 
+    from lit_dist.ckpt.init_weights import start_from
     from lit_dist.errors import ConfigError, DataError
     from lit_dist.model.nets.pipeline import PipelineDenoiser
 
     net = PipelineDenoiser(str(folder.path))  # the base's weights: a merge needs them
+    if init_weights is not None:
+        start_from(net, init_weights, init_weights_skip)
     adapter.attach(net)
     names = base_names(net)
     if fingerprint is not None and not torch.equal(base_fingerprint(net, names), fingerprint):
         raise ConfigError(f"--merge: the denoiser of {folder.path} is not the base the adapter was trained on (the "
-                          "checkpoint holds that base's fingerprint): give the run's own pipeline with --pipeline")
+                          "checkpoint holds that base's fingerprint): give the run's own pipeline with --pipeline, and keep the "
+                          "file its model.init_weights names where it was")
     missing, unexpected = net.load_state_dict(state, strict=False)
     missing = [name for name in missing if name not in names]
     if missing or unexpected:

@@ -156,15 +156,16 @@ def test_a_checkpoint_holds_the_adapter_and_refuses_another_base(calls):
 
 
 def test_an_adapter_trains_on_the_base_model_init_weights_gives_and_a_checkpoint_names_it(calls, tmp_path):
-    """A base fine-tuned before (model.init_weights over the folder's denoiser) is the adapter's base: its weights are
-    the frozen ones, and the checkpoint's fingerprint is of it, so a resume on the folder's own base is refused."""
+    """A base fine-tuned before (model.init_weights over the folder's denoiser: a diffusers model's own file, as a
+    community fine-tune of a U-Net is shared) is the adapter's base: its weights are the frozen ones, and the
+    checkpoint's fingerprint is of it, so a resume on the folder's own base is refused."""
     folder, _ = calls["sdxl"]
     tuned = PipelineDenoiser(str(folder))
     with torch.no_grad():
         for p in tuned.parameters():
             p.mul_(1.5)
-    path = tmp_path / "tuned.pt"
-    torch.save(tuned.state_dict(), path)
+    tuned.model.save_pretrained(tmp_path / "unet")  # names without the denoiser's "model." prefix
+    path = tmp_path / "unet" / "diffusion_pytorch_model.safetensors"
 
     model = LitModel(PipelineDenoiser(str(folder)), adapter=Adapter(rank=4), lr_scaling="none", init_weights=str(path))
     frozen = {n.replace(".base_layer", ""): p for n, p in model.net.named_parameters() if not p.requires_grad}
@@ -174,6 +175,26 @@ def test_an_adapter_trains_on_the_base_model_init_weights_gives_and_a_checkpoint
         plain.check_base(model.state_dict()["adapter_base"], "ckpt")
     again = LitModel(PipelineDenoiser(str(folder)), adapter=Adapter(rank=4), lr_scaling="none", init_weights=str(path))
     again.check_base(model.state_dict()["adapter_base"], "ckpt")
+
+    # --merge: into that base (the run's config names the file), not the folder's own, which is refused.
+    from lit_dist.model.adapter_export import adapter_card, merged_weights
+
+    x, timestep, condition = calls["sdxl"][1]
+    with torch.no_grad():
+        for p in model.net.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    state, fingerprint = {k.removeprefix("net."): v for k, v in model.state_dict().items() if k.startswith("net.")}, \
+        model.state_dict()["adapter_base"]
+    merged = PipelineDenoiser(str(folder))
+    merged.load_state_dict(merged_weights(model.net.folder, Adapter(rank=4), state, fingerprint, 1.0, str(path)))
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(x, timestep, condition), model.net.eval()(x, timestep, condition),
+                                   rtol=1e-4, atol=1e-5)
+    with pytest.raises(ConfigError, match="is not the base the adapter was trained on"):
+        merged_weights(model.net.folder, Adapter(rank=4), state, fingerprint)
+    described, lines = adapter_card(Adapter(rank=4), model.net.folder, str(tmp_path / "lora"), "diffusers", str(path))
+    assert described.endswith(f"on a unet started from {path}") and "load them into pipeline.unet first" in lines[2]
 
 
 @pytest.mark.parametrize("family,kind", [("sdxl", "dora"), ("flux", "lokr")])

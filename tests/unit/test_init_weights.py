@@ -128,3 +128,20 @@ def test_an_untrusted_pickle_or_a_damaged_file_is_refused_with_what_to_do(tmp_pa
     damaged.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(DataError, match=rf"model.init_weights: {damaged} cannot be read as safetensors"):
         LitModel(SimpleCNN(num_classes=4), init_weights=str(damaged))
+
+
+def test_a_bare_model_s_file_loads_into_the_network_that_holds_it(tmp_path):
+    """A diffusers model's own file (conv_in.weight) into the pipeline's denoiser, which holds it as ``model``
+    (model.conv_in.weight): the names match with the holder's prefix taken off."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = SimpleCNN(num_classes=4)
+
+    source = trained().state_dict()
+    path = tmp_path / "bare.pt"
+    torch.save(source, path)
+    holder = Holder()
+    LitModel(holder, init_weights=str(path))
+    assert same(holder.model.state_dict(), source)

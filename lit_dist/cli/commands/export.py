@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from lit_dist.ckpt.export import load_checkpoint_state, network_state, save_atomically, to_full_precision
+from lit_dist.ckpt.init_weights import init_weights_of
 from lit_dist.errors import ConfigError, DataError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -86,7 +87,7 @@ def export(checkpoint: str, output: str = "model.pt", ema: bool = False, trust_p
     if merge:  # the adapter into the base's float32 weights, then the dtype asked for
         from lit_dist.model.adapter_export import merged_weights
 
-        state = merged_weights(folder, adapter, state, whole.get("adapter_base"), adapter_scale)
+        state = merged_weights(folder, adapter, state, whole.get("adapter_base"), adapter_scale, *init_weights_of(config))
     state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
     count = sum(v.numel() for v in state.values())
     if folder is not None:
@@ -114,7 +115,7 @@ def _diffusers(checkpoint: str, folder, state: dict, output: str, config: dict, 
 
         kind = write_adapter(folder, empty_adapted_denoiser(folder, adapter), adapter, state, output, kohya=kohya)
         target = Path(output).expanduser().absolute()
-        card = adapter_card(adapter, folder, output, kind)
+        card = adapter_card(adapter, folder, output, kind, init_weights_of(config)[0])
     else:
         target = write_pipeline(str(folder.path), state, output)
     write_card(target, folder.path, folder.family.name, folder.index["_class_name"],
