@@ -30,10 +30,14 @@ background words), and masks of the shape alone (with ``--margin``, and that man
 it); the other shapes stay as they are, unmasked; the two tables are mixed as two datasets, each weighted by its
 size. Judged on validation captions of the held shape that name neither the backdrop nor it as
 their foreground: its shape and foreground colour (target >= 0.8), and the share of images drawn on the backdrop
-colour in the masked run against the unmasked one (target <= 0.3).
+colour in the masked run against the unmasked one (target <= 0.3). With ``--prior-epochs N`` the fine-tune a user
+runs on a pretrained model: a base is first trained for N epochs on the other shapes alone, unmasked (it draws
+backgrounds as captions name them and has never seen the held shape), its weight average exported, and both runs
+start from it (``model.init_weights``); the base is judged on the same captions first. ``--keep-prior FILE`` keeps
+its weights, and ``--prior-weights FILE`` fine-tunes them again (another ``--margin``) without training a base.
 
     .venv/bin/python -m benchmarks.bench_masked_loss [--masks frame] [--margin 0] [--held triangle] [--backdrop white]
-        [--images 3000] [--epochs 60] [--short]
+        [--prior-epochs 0 | --prior-weights FILE] [--keep-prior FILE] [--images 3000] [--epochs 60] [--short]
 """
 
 import argparse
@@ -224,6 +228,21 @@ def judged(args, run: str, prompts: list[str], classifier: str) -> dict[str, flo
                                 ("backdrop", BackdropJudge))}
 
 
+def prior(args, table: str, tmp: str, prompts: list[str], classifier: str, figures: dict) -> list[str]:
+    """The base a fine-tune starts from: the t2i quickstart on ``table`` (the shapes but the held one), unmasked, for
+    ``--prior-epochs``; judged on ``prompts`` into ``figures``. Returns the flags that start a run from its weight
+    average (what its samples are drawn with), exported as a file."""
+    run_dir, figures["prior_steps_per_s"] = fit(args, table, tmp, "prior", args.prior_epochs)
+    scores = judged(args, run_dir, prompts, classifier)
+    figures.update({f"prior_{what}": score for what, score in scores.items()})
+    print("prior: " + ", ".join(f"{what} {score:.3f}" for what, score in scores.items()), flush=True)
+    start = os.path.join(tmp, "prior.safetensors")
+    lit_dist("export", os.path.join(run_dir, "checkpoints"), "--ema", "true", "--output", start)
+    if args.keep_prior:
+        shutil.copyfile(start, args.keep_prior)
+    return ["--model.init_weights", start]
+
+
 def run(args, tmp: str) -> dict:
     import pyarrow.parquet as pq
 
@@ -232,6 +251,7 @@ def run(args, tmp: str) -> dict:
     table = os.path.join(tmp, "shapes", "metadata.parquet")
     create_shapes_dataset(table, num_images=args.images, seed=0)
     classifier = args.judge or train_judge(tmp, table, args.judge_epochs)
+    figures = {}
     if args.masks == "subject":
         others, subject = subject_copy(table, os.path.join(tmp, "subject"), args.held, args.backdrop,
                                        args.margin)
@@ -240,8 +260,10 @@ def run(args, tmp: str) -> dict:
         prompts = prompts[:args.prompts]
         # Each dataset's share of the batches is its share of the images, as in one table.
         weights = [pq.read_metadata(t).num_rows for t in (subject, others)]
+        start = (["--model.init_weights", args.prior_weights] if args.prior_weights else
+                 prior(args, others, tmp, prompts, classifier, figures) if args.prior_epochs else [])
         runs = {name: ([{"metadata": subject, "weight": weights[0], **mask},
-                        {"metadata": others, "weight": weights[1]}], [])
+                        {"metadata": others, "weight": weights[1]}], start)
                 for name, mask in (("masked", {"mask_column": "mask"}), ("unmasked", {}))}
     else:
         if args.masks == "frame":
@@ -250,7 +272,6 @@ def run(args, tmp: str) -> dict:
             framed = foreground_copy(table, os.path.join(tmp, "foreground"), args.margin)
         prompts = val_captions(framed, args.prompts)
         runs = {"masked": (framed, ["--data.mask_column", "mask"]), "unmasked": (framed, [])}
-    figures = {}
     for name, epochs in (("masked", args.epochs), ("unmasked", args.baseline_epochs)):
         data, extra = runs[name]
         run_dir, figures[f"{name}_steps_per_s"] = fit(args, data, tmp, name, epochs, *extra)
@@ -280,19 +301,32 @@ def main() -> None:
                         help="--masks subject: the shape whose images get the backdrop and the masks")
     parser.add_argument("--backdrop", default="white", choices=list(COLOURS),
                         help="--masks subject: the colour of those images' background")
+    parser.add_argument("--prior-epochs", type=int, default=0,
+                        help="--masks subject: first train a base for this many epochs on the other shapes alone, "
+                             "unmasked, and fine-tune it in both runs; 0: both runs start from scratch")
+    parser.add_argument("--prior-weights",
+                        help="--masks subject: fine-tune this base instead of training one (the prior.safetensors a "
+                             "--prior-epochs run with the same --images exported, kept with --keep-prior)")
+    parser.add_argument("--keep-prior", help="--prior-epochs: copy the base's weights to this file")
     parser.add_argument("--prompts", type=int, default=32, help="validation captions, 4 images each")
     parser.add_argument("--sample-steps", type=int, default=20, help="sampler steps")
     parser.add_argument("--judge", help="the quickstart classifier's model.pt; default: train it here (about a minute)")
     parser.add_argument("--judge-epochs", type=int, help="epochs of the judge's training (default: the quickstart's)")
     parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
+    if args.prior_weights and args.prior_epochs:
+        parser.error("--prior-weights is a base trained before: leave out --prior-epochs")
     if args.short:
         args.images, args.epochs, args.baseline_epochs, args.prompts, args.sample_steps = 64, 1, 1, 2, 2
         args.judge_epochs = 1
+        args.prior_epochs = min(args.prior_epochs, 1)
     masks = {"frame": f"framed by {args.frame} pixels",
              "foreground": f"masked to their shapes and {args.margin} pixels around them",
              "subject": f"the {args.held}s on {args.backdrop} masked to their shapes and {args.margin} pixels "
-                        "around them, the others unmasked"}[args.masks]
+                        "around them, the others unmasked" + (f", fine-tuning a base of {args.prior_epochs} epochs "
+                                                              "on the others" if args.prior_epochs else
+                                                              f", fine-tuning {args.prior_weights}" if
+                                                              args.prior_weights else "")}[args.masks]
     print(f"machine: {machine()}; {args.images} demo shapes {masks}; {args.epochs} epochs masked, "
           f"{args.baseline_epochs} unmasked", flush=True)
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-masked-")
@@ -316,7 +350,9 @@ def main() -> None:
         ratio = background["masked"] / background["unmasked"] if background["unmasked"] else 1.0
         met = ratio <= BACKGROUND_TARGET and figures["masked_shape"] >= ADHERENCE_TARGET
         target = f"<= {BACKGROUND_TARGET}; masked shape >= {ADHERENCE_TARGET}"
-    subject = {"held": args.held, "backdrop": args.backdrop} if args.masks == "subject" else {}
+    subject = ({"held": args.held, "backdrop": args.backdrop, "prior_epochs": args.prior_epochs,
+                "prior_weights": args.prior_weights}
+               if args.masks == "subject" else {})
     result_line("masked_loss", round(ratio, 3), target, met, masks=args.masks, margin=args.margin, **subject,
                 machine=machine(), **figures, short=args.short)
 
