@@ -118,7 +118,7 @@ class LitModel(LightningModule):
                 cores) or medium (bf16); CPU runs are left as they are.
             init_weights: Start the network from these weights: a file lit-dist export wrote, a checkpoint (its
                 network's weights alone; the run starts at step 0), or a state dict (.safetensors, .pt, .pth, .bin).
-                Keep it until the run ends: a resumed run reads it again (an adapter's base), then its checkpoint.
+                Keep it: a resume, validate and sample of the run read it again before their checkpoint.
             init_weights_skip: Tensors of the network left at their initialisation instead (fnmatch patterns of its
                 state-dict names; head names head.weight and head.bias): a new head for other classes.
         """
