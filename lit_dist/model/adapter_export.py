@@ -123,8 +123,8 @@ def merged_weights(folder, adapter: Adapter, state: dict, fingerprint=None, scal
     names = base_names(net)
     if fingerprint is not None and not torch.equal(base_fingerprint(net, names), fingerprint):
         raise ConfigError(f"--merge: the denoiser of {folder.path} is not the base the adapter was trained on (the "
-                          "checkpoint holds that base's fingerprint): give the run's own pipeline with --pipeline, and keep the "
-                          "file its model.init_weights names where it was")
+                          "checkpoint holds that base's fingerprint): give the run's own pipeline with --pipeline, "
+                          "and keep the file its model.init_weights names where it was")
     missing, unexpected = net.load_state_dict(state, strict=False)
     missing = [name for name in missing if name not in names]
     if missing or unexpected:

@@ -106,7 +106,8 @@ def test_fsdp2_starts_every_shard_from_model_init_weights(single, tmp_path, demo
     # lr 0: the run's weights stay what it started from, and its consolidated model.pt gathers every rank's shards.
     start = single[0] / "model.pt"
     run_dir, _ = run(tmp_path, demo_data, "from-weights", 2, 8, "--config", str(CONFIGS / "fsdp2.yaml"),
-                     "--model.init_weights", str(start), "--model.optimizer.init_args.lr", "0", "--trainer.max_steps", "1")
+                     "--model.init_weights", str(start), "--model.optimizer.init_args.lr", "0",
+                     "--trainer.max_steps", "1")
     began, ended = (torch.load(path, weights_only=True) for path in (start, run_dir / "model.pt"))
     assert began.keys() == ended.keys()
     for key in began:
