@@ -320,13 +320,12 @@ def main() -> None:
         args.images, args.epochs, args.baseline_epochs, args.prompts, args.sample_steps = 64, 1, 1, 2, 2
         args.judge_epochs = 1
         args.prior_epochs = min(args.prior_epochs, 1)
+    base = (f", fine-tuning a base of {args.prior_epochs} epochs on the others" if args.prior_epochs else
+            f", fine-tuning {args.prior_weights}" if args.prior_weights else "")
     masks = {"frame": f"framed by {args.frame} pixels",
              "foreground": f"masked to their shapes and {args.margin} pixels around them",
              "subject": f"the {args.held}s on {args.backdrop} masked to their shapes and {args.margin} pixels "
-                        "around them, the others unmasked" + (f", fine-tuning a base of {args.prior_epochs} epochs "
-                                                              "on the others" if args.prior_epochs else
-                                                              f", fine-tuning {args.prior_weights}" if
-                                                              args.prior_weights else "")}[args.masks]
+                        f"around them, the others unmasked{base}"}[args.masks]
     print(f"machine: {machine()}; {args.images} demo shapes {masks}; {args.epochs} epochs masked, "
           f"{args.baseline_epochs} unmasked", flush=True)
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-masked-")

@@ -11,7 +11,7 @@ it, so DDP, FSDP2 and DeepSpeed (ZeRO-3 partitions the parameters later, in its 
 """
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from fnmatch import fnmatchcase
 
 import torch
@@ -37,7 +37,7 @@ def start_from(net: nn.Module, path: str, skip: Sequence[str] = ()) -> str:
     sharded or DeepSpeed's, are read whole)."""
     if not os.path.exists(path):
         raise ConfigError(f"model.init_weights = {path!r}: no such file or folder")
-    tensors, shapes = _open(path)
+    tensor, shapes = _open(path)
     averaged = any(key.startswith(EMA_PREFIX) for key in shapes)
     own = net.state_dict()
     names = _named_as(shapes.keys(), own.keys())  # the network's name -> the file's
@@ -59,7 +59,7 @@ def start_from(net: nn.Module, path: str, skip: Sequence[str] = ()) -> str:
                           "initialisation in model.init_weights_skip (a new head: its name, as head), or use weights "
                           "saved from this model.net")
     for chunk in _chunks(list(wanted), own):
-        net.load_state_dict({name: tensors[names[name]] for name in chunk}, strict=False)
+        net.load_state_dict({name: tensor(names[name]) for name in chunk}, strict=False)
     kept = f"; {len(left & own.keys())} left at their initialisation ({', '.join(sorted(skip))})" if left else ""
     average = (" (its weight average is not used: `lit-dist export CHECKPOINT --ema true --output FILE` writes it "
                "as a file to start from)") if averaged else ""
@@ -72,42 +72,24 @@ def init_weights_of(config: dict) -> tuple[str | None, list[str]]:
     return model.get("init_weights"), list(model.get("init_weights_skip") or ())
 
 
-class _Safetensors(Mapping):
-    """A .safetensors file's tensors, each read when asked for (from the file's memory map)."""
-
-    def __init__(self, path: str):
-        from safetensors import safe_open
-
-        self._file = safe_open(path, "pt")
-        self.shapes = {key: tuple(self._file.get_slice(key).get_shape()) for key in self._file.keys()}
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._file.get_tensor(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.shapes)
-
-    def __len__(self) -> int:
-        return len(self.shapes)
-
-
-def _open(path: str) -> tuple[Mapping, dict]:
-    """The file's tensors by name, and their shapes (None for an entry that is no tensor)."""
+def _open(path: str) -> tuple[Callable[[str], torch.Tensor], dict]:
+    """The tensor of a name in the file (a .safetensors file's read when asked for, from its memory map), and the
+    file's shapes by name (None for an entry that is no tensor)."""
     if path.endswith(".safetensors"):
         from lit_dist.runtime.extras import require
 
         require("safetensors", "model.init_weights (a .safetensors file)")
-        from safetensors import SafetensorError
+        from safetensors import SafetensorError, safe_open
 
         try:
-            tensors = _Safetensors(path)
+            file = safe_open(path, "pt")
+            return file.get_tensor, {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}
         except (SafetensorError, OSError) as exc:
             raise DataError(f"model.init_weights: {path} cannot be read as safetensors: {exc}") from None
-        return tensors, tensors.shapes
     opt_in = (f"convert it once with `lit-dist export {path} --trust_pickle true --output weights.safetensors` and "
               "name that file as model.init_weights")
     state = load_checkpoint_state(path, opt_in=opt_in, mmap=True)  # sharded and DeepSpeed folders: read whole
-    return state, {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in state.items()}
+    return state.__getitem__, {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in state.items()}
 
 
 def _named_as(keys, names) -> dict[str, str]:
@@ -115,9 +97,9 @@ def _named_as(keys, names) -> dict[str, str]:
     another) taken off either side, as matches most of them: a file of a LightningModule into its bare network, or
     a bare diffusers model's file into the network that holds it as ``model``. Keys matched to no name keep their
     own, prefixes off."""
-    best, most = {key: key for key in keys}, -1
+    best, most, key_options = {key: key for key in keys}, -1, _unwrapped(keys)
     for name_of in _unwrapped(names):  # the first of the best: fewest prefixes taken off
-        for key_of in _unwrapped(keys):
+        for key_of in key_options:
             matched = len(key_of.keys() & name_of.keys())
             if matched > most:
                 best, most = {name_of.get(bare, bare): key for bare, key in key_of.items()}, matched
