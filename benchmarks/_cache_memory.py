@@ -1,15 +1,14 @@
-"""Helper of bench_cache: resident memory a run keeps per sample for a pixel + encoder cache.
+"""Helper of bench_cache: the bytes a run keeps per sample for a pixel + encoder cache.
 
     python benchmarks/_cache_memory.py TMP SAMPLES            # prints one JSON line (slope from SAMPLES/4 to SAMPLES)
-    python benchmarks/_cache_memory.py --measure TABLE [CACHE]  # (internal) RSS after setup, in bytes
 """
 
 import gc
 import hashlib
 import json
 import os
-import subprocess
 import sys
+import traceback
 
 import numpy as np
 
@@ -25,8 +24,8 @@ def module(table: str, cache_dir: str | None):
                             val_fraction=0, allow_oversubscription=True, cache=cache)
 
 
-def rss() -> int:
-    """Resident bytes, after handing freed memory back (Arrow's pool and glibc's malloc keep it otherwise)."""
+def release() -> None:
+    """Hand freed memory back (Arrow's pool and glibc's malloc keep it otherwise)."""
     import ctypes
 
     import pyarrow as pa
@@ -34,8 +33,6 @@ def rss() -> int:
     gc.collect()
     pa.default_memory_pool().release_unused()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def synthetic(tmp: str, samples: int) -> tuple[str, str]:
@@ -82,7 +79,9 @@ def synthetic(tmp: str, samples: int) -> tuple[str, str]:
     return table, cache_dir
 
 
-def measure(table: str, cache_dir: str | None) -> None:
+def measure(table: str, cache_dir: str | None) -> dict:
+    """The bytes a data module over ``table`` (and the cache at ``cache_dir``) holds in its buffers once set up
+    (numpy's, as tracemalloc sees them, and Arrow's), and those of its cache lookups."""
     import tracemalloc
 
     import pyarrow as pa
@@ -101,31 +100,55 @@ def measure(table: str, cache_dir: str | None) -> None:
     live = tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes()
     views = dm._cache_views[0] if dm._cache_views else {}
     view_bytes = sum(sum(a.nbytes for a in (v.shard, v.offset, v.length, v.crc)) for v in views.values())
-    print(json.dumps({"rss": rss(), "live": live, "view_bytes": view_bytes}))
+    return {"live": live, "view_bytes": view_bytes}
+
+
+def forked(fn, *args) -> dict:
+    """``fn(*args)`` in a fork of this process, its JSON result read back."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        code = 0
+        try:
+            with os.fdopen(write, "w") as out:
+                json.dump(fn(*args), out)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stderr.flush()
+        os._exit(code)  # the parent's atexit handlers and buffers are not the fork's to run
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    if status:
+        raise RuntimeError(f"the measure of {args} failed (wait status {status}): its traceback is above")
+    return json.loads(text)
 
 
 def main() -> None:
-    if sys.argv[1] == "--measure":
-        measure(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
-        return
     tmp, samples = sys.argv[1], int(sys.argv[2])
     # Two sizes: the slope is what each further sample costs, without the constant cost of the code itself.
-    runs = {}
+    made = {}
     for size in (samples // 4, samples):
         folder = os.path.join(tmp, f"memory-{size}")
         os.makedirs(folder, exist_ok=True)
-        table, cache_dir = synthetic(folder, size)
-        for name, extra in (("plain", []), ("cache", [cache_dir])):
-            out = subprocess.run([sys.executable, __file__, "--measure", table, *extra], capture_output=True, text=True,
-                                 check=True)
-            runs[name, size] = json.loads(out.stdout.splitlines()[-1])
+        made[size] = synthetic(folder, size)
+    # Each measure in a fork of this process, all four from the same state (what they inherit cancels out of the
+    # slope): a new interpreter each would import torch and lit-dist again, 5 s of CPU apiece.
+    release()
+    runs = {}
+    for size, (table, cache_dir) in made.items():
+        for name, extra in (("plain", None), ("cache", cache_dir)):
+            runs[name, size] = forked(measure, table, extra)
     small, large = samples // 4, samples
 
     def slope(key: str) -> float:
         grow = {n: runs[n, large][key] - runs[n, small][key] for n in ("plain", "cache")}
         return (grow["cache"] - grow["plain"]) / (large - small)
 
-    print(json.dumps({"samples": samples, "bytes_per_sample": slope("live"), "rss_bytes_per_sample": slope("rss"),
+    print(json.dumps({"samples": samples, "bytes_per_sample": slope("live"),
                       "view_bytes_per_sample": runs["cache", large]["view_bytes"] / large}))
 
 

@@ -315,8 +315,8 @@ def bench_s3(table: str, tmp: str) -> dict:
 
 
 def bench_memory(tmp: str, samples: int) -> dict:
-    """Bytes per sample a run keeps for a pixel + encoder cache: a fresh process sets up the same table with and
-    without a synthetic cache (index files whose keys match every row; no shard data is read)."""
+    """Bytes per sample a run keeps for a pixel + encoder cache: forks of one process set up the same table with
+    and without a synthetic cache (index files whose keys match every row; no shard data is read)."""
     script = os.path.join(ROOT, "benchmarks", "_cache_memory.py")
     out = subprocess.run([sys.executable, script, tmp, str(samples)], cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
@@ -399,8 +399,7 @@ def run(args: argparse.Namespace, tmp: str) -> None:
     memory = bench_memory(tmp, args.memory_samples)
     print(f"6. memory: {memory['bytes_per_sample']:.1f} bytes per further sample kept by a run with a pixel + encoder "
           f"cache (numpy and Arrow buffers, {memory['samples'] // 4} to {memory['samples']} samples; the lookups alone "
-          f"{memory['view_bytes_per_sample']:.0f}; resident memory grows {memory['rss_bytes_per_sample']:.0f}, allocator "
-          "pools included) (target <= 32)")
+          f"{memory['view_bytes_per_sample']:.0f}) (target <= 32)")
     checks = {
         "loader": loader["ratio"] >= 8,
         "build": build["ratio"] >= 1.7,
