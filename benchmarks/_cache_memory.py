@@ -6,9 +6,10 @@
 import gc
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
-import traceback
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -104,27 +105,9 @@ def measure(table: str, cache_dir: str | None) -> dict:
 
 
 def forked(fn, *args) -> dict:
-    """``fn(*args)`` in a fork of this process, its JSON result read back."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        code = 0
-        try:
-            with os.fdopen(write, "w") as out:
-                json.dump(fn(*args), out)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stderr.flush()
-        os._exit(code)  # the parent's atexit handlers and buffers are not the fork's to run
-    os.close(write)
-    with os.fdopen(read) as f:
-        text = f.read()
-    _, status = os.waitpid(pid, 0)
-    if status:
-        raise RuntimeError(f"the measure of {args} failed (wait status {status}): its traceback is above")
-    return json.loads(text)
+    """``fn(*args)`` in a fork of this process (its exception, traceback and all, raised here)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def main() -> None:
