@@ -39,8 +39,10 @@ WARM_MODULES = ("lit_dist.cli.app",)  # what every run imports first
 # What runs import after it, once their config is read: about 0.5 s of CPU for a classifier's run, 1.5 s for a
 # pipeline's, in each of its processes. The optional extras as a run imports them (``require``: diffusers and peft
 # without bitsandbytes), and the classes of theirs that runs use, which their packages load on first use.
+# torch's inductor: DeepSpeed's ZeRO optimizer check imports its Muon optimizer, whose torch.compile decorators import
+# it, 2-4 s of CPU in each process of a ZeRO run (about a sixth of a 2-process Flux LoRA case under ZeRO-2).
 WARM_AFTER = ("lit_dist.model.module", "lit_dist.data.datamodule", "lit_dist.callbacks.checkpoint", "lit_dist.cache.build",
-              "torch.utils.tensorboard", "pyarrow.dataset", "s3fs")
+              "torch.utils.tensorboard", "pyarrow.dataset", "s3fs", "torch._inductor.compile_fx")
 WARM_EXTRAS = {"diffusers": ("UNet2DConditionModel", "AutoencoderKL", "DiffusionPipeline", "DDIMScheduler"),
                "transformers": ("CLIPTextModel", "T5EncoderModel")}
 # Read at import by torch, OpenMP, Hugging Face, Python itself or the paths they cache: a run that sets one of
