@@ -341,7 +341,7 @@ def main() -> None:
     parser.add_argument("--short", action="store_true", help=SHORT_HELP)
     args = parser.parse_args()
     if args.short:  # every part; part 5 reads samples 1 to 20
-        args.images, args.rounds, args.epochs, args.seeds, args.latent_images, args.warmup_steps = 24, 1, 1, 1, 200, 1
+        args.images, args.rounds, args.epochs, args.seeds, args.latent_images, args.warmup_steps = 24, 1, 1, 1, 128, 1
         args.latent_photos, args.memory_samples = 4, 20_000
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-cache-")
     try:

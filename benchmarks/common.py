@@ -199,9 +199,13 @@ def _warm_process():
 
             from tests.helpers.zygote import Zygote
 
-            with contextlib.suppress(OSError):  # no warm process: commands start as new interpreters
-                warm = Zygote(_command_env())
-                atexit.register(warm.close)
+            # A fork of this process where it can be (a short run forked from the tests' warm process), else a new
+            # one; none at all: commands start as new interpreters.
+            for make in (Zygote.forked, Zygote):
+                with contextlib.suppress(OSError):
+                    warm = make(_command_env())
+                    atexit.register(warm.close)
+                    break
         _WARM.append(warm)
     return _WARM[0]
 

@@ -69,6 +69,47 @@ class Zygote:
         if self.sock.recv(1) != b"+":  # its imports are done (or it failed: no warm process, runs start as before)
             raise OSError("the tests' warm process did not start")
 
+    @classmethod
+    def forked(cls, env: dict) -> "Zygote":
+        """A warm process forked from this one instead of a new interpreter, for a process that has imported what
+        runs import already: a benchmark's short run, itself forked from the tests' warm process, whose own warm
+        process took 5-8 s of CPU to start (twenty short runs in the suite). Its runs get ``env`` as a new
+        interpreter started with it would. OSError where a fork is not safe: another thread runs (a fork of it can
+        deadlock), torch runs more than one thread (GNU OpenMP's pool does not survive a fork), or the warm modules
+        are not imported here."""
+        import torch
+
+        if threading.active_count() > 1 or torch.get_num_threads() != 1 or not set(WARM_MODULES) <= sys.modules.keys():
+            raise OSError("this process cannot fork a warm process")
+        mine, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # never returns into the caller's code
+            code = 0
+            try:
+                import atexit
+
+                atexit._clear()  # noqa: SLF001 - the forking process's exit handlers are not its runs'
+                mine.close()
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):  # the caller's streams stay the caller's: its reader waits for their end
+                    os.dup2(devnull, fd)
+                if env.get("PYTHONFAULTHANDLER"):
+                    import faulthandler
+
+                    faulthandler.enable()  # what the variable does at an interpreter's start
+                _main(theirs.detach())
+            except BaseException:  # noqa: BLE001 - no traceback into the caller's streams; the caller sees no "+"
+                code = 1
+            finally:
+                os._exit(code)
+        theirs.close()
+        zygote = cls.__new__(cls)
+        zygote.env, zygote.proc, zygote.sock, zygote.lock = dict(env), _Child(pid), mine, threading.Lock()
+        if zygote.sock.recv(1) != b"+":
+            zygote.close()
+            raise OSError("the forked warm process did not start")
+        return zygote
+
     def can_run(self, env: dict, launcher: list[str] | None) -> bool:
         """Whether a fork of the warm process runs ``python -m ...`` with ``env`` as a new interpreter would."""
         if launcher or env.get(SWITCH_ENV) == "0" or self.proc.poll() is not None:
@@ -127,6 +168,32 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class _Child:
+    """A forked warm process, held as ``Zygote`` holds a ``subprocess.Popen``."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(_REAP_S)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
 
 
 class WarmRun(WarmRank):
