@@ -35,9 +35,13 @@ runs on a pretrained model: a base is first trained for N epochs on the other sh
 backgrounds as captions name them and has never seen the held shape), its weight average exported, and both runs
 start from it (``model.init_weights``); the base is judged on the same captions first. ``--keep-prior FILE`` keeps
 its weights, and ``--prior-weights FILE`` fine-tunes them again (another ``--margin``) without training a base.
+With ``--prior-of all`` the base is trained on every shape on its own background, the held one too: a pretrained
+model that knows the subject's kind, fine-tuned on photographs of it against one backdrop (``--lr`` sets both
+fine-tunes' learning rate; a fine-tune's is usually below the pretraining's).
 
     .venv/bin/python -m benchmarks.bench_masked_loss [--masks frame] [--margin 0] [--held triangle] [--backdrop white]
-        [--prior-epochs 0 | --prior-weights FILE] [--keep-prior FILE] [--images 3000] [--epochs 60] [--short]
+        [--prior-epochs 0 | --prior-weights FILE] [--prior-of others] [--keep-prior FILE] [--lr LR] [--images 3000]
+        [--epochs 60] [--short]
 """
 
 import argparse
@@ -260,8 +264,11 @@ def run(args, tmp: str) -> dict:
         prompts = prompts[:args.prompts]
         # Each dataset's share of the batches is its share of the images, as in one table.
         weights = [pq.read_metadata(t).num_rows for t in (subject, others)]
+        base = others if args.prior_of == "others" else table
         start = (["--model.init_weights", args.prior_weights] if args.prior_weights else
-                 prior(args, others, tmp, prompts, classifier, figures) if args.prior_epochs else [])
+                 prior(args, base, tmp, prompts, classifier, figures) if args.prior_epochs else [])
+        if args.lr is not None:
+            start = [*start, "--model.optimizer.init_args.lr", str(args.lr)]
         runs = {name: ([{"metadata": subject, "weight": weights[0], **mask},
                         {"metadata": others, "weight": weights[1]}], start)
                 for name, mask in (("masked", {"mask_column": "mask"}), ("unmasked", {}))}
@@ -307,7 +314,12 @@ def main() -> None:
     parser.add_argument("--prior-weights",
                         help="--masks subject: fine-tune this base instead of training one (the prior.safetensors a "
                              "--prior-epochs run with the same --images exported, kept with --keep-prior)")
+    parser.add_argument("--prior-of", choices=["others", "all"], default="others",
+                        help="--prior-epochs: the base's data: the other shapes alone (it never saw the held one), or "
+                             "every shape on its own background (it knows the held one)")
     parser.add_argument("--keep-prior", help="--prior-epochs: copy the base's weights to this file")
+    parser.add_argument("--lr", type=float,
+                        help="--masks subject: both runs' learning rate (default: the t2i quickstart's 0.001)")
     parser.add_argument("--prompts", type=int, default=32, help="validation captions, 4 images each")
     parser.add_argument("--sample-steps", type=int, default=20, help="sampler steps")
     parser.add_argument("--judge", help="the quickstart classifier's model.pt; default: train it here (about a minute)")
@@ -320,8 +332,10 @@ def main() -> None:
         args.images, args.epochs, args.baseline_epochs, args.prompts, args.sample_steps = 64, 1, 1, 2, 2
         args.judge_epochs = 1
         args.prior_epochs = min(args.prior_epochs, 1)
-    base = (f", fine-tuning a base of {args.prior_epochs} epochs on the others" if args.prior_epochs else
+    seen = "the others" if args.prior_of == "others" else "every shape"
+    base = (f", fine-tuning a base of {args.prior_epochs} epochs on {seen}" if args.prior_epochs else
             f", fine-tuning {args.prior_weights}" if args.prior_weights else "")
+    base += f" at lr {args.lr}" if args.lr is not None else ""
     masks = {"frame": f"framed by {args.frame} pixels",
              "foreground": f"masked to their shapes and {args.margin} pixels around them",
              "subject": f"the {args.held}s on {args.backdrop} masked to their shapes and {args.margin} pixels "
@@ -350,7 +364,7 @@ def main() -> None:
         met = ratio <= BACKGROUND_TARGET and figures["masked_shape"] >= ADHERENCE_TARGET
         target = f"<= {BACKGROUND_TARGET}; masked shape >= {ADHERENCE_TARGET}"
     subject = ({"held": args.held, "backdrop": args.backdrop, "prior_epochs": args.prior_epochs,
-                "prior_weights": args.prior_weights}
+                "prior_weights": args.prior_weights, "prior_of": args.prior_of, "lr": args.lr}
                if args.masks == "subject" else {})
     result_line("masked_loss", round(ratio, 3), target, met, masks=args.masks, margin=args.margin, **subject,
                 machine=machine(), **figures, short=args.short)

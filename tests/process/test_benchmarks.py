@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.process, pytest.mark.slow]
 # profile_step is a profiler, but it ends with a result line as the benchmarks do.
 BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("bench_*.py")) + ["profile_step"]
 # Modes of a benchmark whose code its default run leaves out, each run short too: the arguments after --short.
-MODES = {"bench_masked_loss": [["--masks", "subject", "--margin", "1", "--prior-epochs", "1"]]}
+MODES = {"bench_masked_loss": [["--masks", "subject", "--margin", "1", "--prior-epochs", "1", "--prior-of", "all",
+                                "--lr", "0.0003"]]}
 # Optional extras (pyproject's [project.optional-dependencies]; .ci/setup installs them all) a benchmark needs.
 EXTRAS = {"bench_cache": ["diffusers"], "bench_generative": ["diffusers", "transformers"],
           "bench_pipeline": ["diffusers", "transformers", "accelerate"],
