@@ -81,6 +81,8 @@ class Zygote:
 
         if threading.active_count() > 1 or torch.get_num_threads() != 1 or not set(WARM_MODULES) <= sys.modules.keys():
             raise OSError("this process cannot fork a warm process")
+        for stream in (sys.stdout, sys.stderr):  # what the caller printed is the caller's, not in its runs' output
+            stream.flush()
         mine, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:  # never returns into the caller's code
