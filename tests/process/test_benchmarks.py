@@ -49,9 +49,9 @@ def run_short(name: str, tmp_path, *mode: str) -> subprocess.CompletedProcess:
     return run_module(f"benchmarks.{name}", "--short", *mode, timeout=TIMEOUT_S, env=env)
 
 
-# Long short runs (in a whole-suite run on a 2-core VM, 2026-12-07: bench_generative 143 s, bench_cache 255 s
-# before its memory part forked, bench_lora_quality 94 s, bench_lora 89 s): .ci/test runs them beside the parallel
-# tests, in the process of the slurm tier, which mostly waits on its jobs.
+# Long short runs (in a whole-suite run on a 2-core VM, 2026-12-07: bench_cache 129 s, bench_generative 112 s,
+# bench_lora_quality 71 s, bench_lora 61 s): .ci/test runs them beside the parallel tests, in the process of the
+# slurm tier, which mostly waits on its jobs.
 BESIDE = {"bench_cache", "bench_generative", "bench_lora_quality", "bench_lora"}
 
 
