@@ -201,9 +201,9 @@ def _warm_process():
 
             # A fork of this process where it can be (a short run forked from the tests' warm process), else a new
             # one; none at all: commands start as new interpreters.
-            for make in (Zygote.forked, Zygote):
+            for fork in (True, False):
                 with contextlib.suppress(OSError):
-                    warm = make(_command_env())
+                    warm = Zygote(_command_env(), fork=fork)
                     atexit.register(warm.close)
                     break
         _WARM.append(warm)

@@ -57,60 +57,30 @@ _REAP_S = 0.02  # how often the warm process looks for ended runs
 class Zygote:
     """A pytest process's handle on its warm process."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, fork: bool = False):
+        """``fork``: a fork of this process instead of a new interpreter (``_fork_warm``), for a process that has
+        imported what runs import already: a benchmark's short run, itself forked from the tests' warm process,
+        whose own warm process took 5-8 s of CPU to start (twenty short runs in the suite). OSError where there is
+        none."""
         self.env = dict(env)
         mine, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote", str(theirs.fileno())],
-                                     env=self.env, cwd=Path(__file__).resolve().parents[2], stdin=subprocess.DEVNULL,
-                                     pass_fds=(theirs.fileno(),))
+        if fork:
+            try:
+                self.proc = _fork_warm(mine, theirs, self.env)
+            except OSError:
+                mine.close()
+                theirs.close()
+                raise
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote", str(theirs.fileno())],
+                                         env=self.env, cwd=Path(__file__).resolve().parents[2],
+                                         stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
         theirs.close()
         self.sock = mine
         self.lock = threading.Lock()
         if self.sock.recv(1) != b"+":  # its imports are done (or it failed: no warm process, runs start as before)
+            self.close()  # reaped
             raise OSError("the tests' warm process did not start")
-
-    @classmethod
-    def forked(cls, env: dict) -> "Zygote":
-        """A warm process forked from this one instead of a new interpreter, for a process that has imported what
-        runs import already: a benchmark's short run, itself forked from the tests' warm process, whose own warm
-        process took 5-8 s of CPU to start (twenty short runs in the suite). Its runs get ``env`` as a new
-        interpreter started with it would. OSError where a fork is not safe: another thread runs (a fork of it can
-        deadlock), torch runs more than one thread (GNU OpenMP's pool does not survive a fork), or the warm modules
-        are not imported here."""
-        import torch
-
-        if threading.active_count() > 1 or torch.get_num_threads() != 1 or not set(WARM_MODULES) <= sys.modules.keys():
-            raise OSError("this process cannot fork a warm process")
-        for stream in (sys.stdout, sys.stderr):  # what the caller printed is the caller's, not in its runs' output
-            stream.flush()
-        mine, theirs = socket.socketpair()
-        pid = os.fork()
-        if pid == 0:  # never returns into the caller's code
-            code = 0
-            try:
-                import atexit
-
-                atexit._clear()  # noqa: SLF001 - the forking process's exit handlers are not its runs'
-                mine.close()
-                devnull = os.open(os.devnull, os.O_RDWR)
-                for fd in (0, 1, 2):  # the caller's streams stay the caller's: its reader waits for their end
-                    os.dup2(devnull, fd)
-                if env.get("PYTHONFAULTHANDLER"):
-                    import faulthandler
-
-                    faulthandler.enable()  # what the variable does at an interpreter's start
-                _main(theirs.detach())
-            except BaseException:  # noqa: BLE001 - no traceback into the caller's streams; the caller sees no "+"
-                code = 1
-            finally:
-                os._exit(code)
-        theirs.close()
-        zygote = cls.__new__(cls)
-        zygote.env, zygote.proc, zygote.sock, zygote.lock = dict(env), _Child(pid), mine, threading.Lock()
-        if zygote.sock.recv(1) != b"+":
-            zygote.close()
-            raise OSError("the forked warm process did not start")
-        return zygote
 
     def can_run(self, env: dict, launcher: list[str] | None) -> bool:
         """Whether a fork of the warm process runs ``python -m ...`` with ``env`` as a new interpreter would."""
@@ -170,32 +140,6 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-class _Child:
-    """A forked warm process, held as ``Zygote`` holds a ``subprocess.Popen``."""
-
-    def __init__(self, pid: int):
-        self.pid, self.returncode = pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout)
-            time.sleep(_REAP_S)
-        return self.returncode
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
 
 
 class WarmRun(WarmRank):
@@ -292,6 +236,39 @@ def _receive(sock: socket.socket, size: int) -> bytes:
 
 
 # -- the warm process ----------------------------------------------------------------------------------------------
+
+def _fork_warm(mine: socket.socket, theirs: socket.socket, env: dict) -> WarmRank:
+    """A warm process forked from this one, serving ``theirs``; its runs get ``env`` as a new interpreter started
+    with it would. OSError where a fork is not safe: another thread runs (a fork of it can deadlock), torch runs
+    more than one thread (GNU OpenMP's pool does not survive a fork), or the warm modules are not imported here."""
+    import torch
+
+    if threading.active_count() > 1 or torch.get_num_threads() != 1 or not set(WARM_MODULES) <= sys.modules.keys():
+        raise OSError("this process cannot fork a warm process")
+    for stream in (sys.stdout, sys.stderr):  # what the caller printed is the caller's, not in its runs' output
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:  # never returns into the caller's code
+        code = 0
+        try:
+            import atexit
+
+            atexit._clear()  # noqa: SLF001 - the forking process's exit handlers are not its runs'
+            mine.close()
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):  # the caller's streams stay the caller's: its reader waits for their end
+                os.dup2(devnull, fd)
+            if env.get("PYTHONFAULTHANDLER"):
+                import faulthandler
+
+                faulthandler.enable()  # what the variable does at an interpreter's start
+            _main(theirs.detach())
+        except BaseException:  # noqa: BLE001 - no traceback into the caller's streams; the caller sees no "+"
+            code = 1
+        finally:
+            os._exit(code)
+    return WarmRank(pid, [sys.executable])  # lit-dist's handle on a forked child, held as a Popen
+
 
 def _serve(control: socket.socket) -> tuple[str, list[str], dict, str] | None:
     """The warm process's loop, until the test's end of ``control`` closes. Returns only in a forked run: its
