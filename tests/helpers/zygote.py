@@ -243,6 +243,10 @@ def _fork_warm(mine: socket.socket, theirs: socket.socket, env: dict) -> WarmRan
     more than one thread (GNU OpenMP's pool does not survive a fork), or the warm modules are not imported here."""
     import torch
 
+    bars = sys.modules.get("tqdm.std")
+    if bars is not None and bars.tqdm.monitor is not None:  # every bar starts it, even a disabled one; the next restarts it
+        bars.tqdm.monitor.exit()  # wakes from its wait and ends: no lock of tqdm's held across the fork
+        bars.tqdm.monitor = None
     if threading.active_count() > 1 or torch.get_num_threads() != 1 or not set(WARM_MODULES) <= sys.modules.keys():
         raise OSError("this process cannot fork a warm process")
     for stream in (sys.stdout, sys.stderr):  # what the caller printed is the caller's, not in its runs' output
