@@ -30,7 +30,8 @@ background words), and masks of the shape alone (with ``--margin``, and that man
 it); the other shapes stay as they are, unmasked; the two tables are mixed as two datasets, each weighted by its
 size. Judged on validation captions of the held shape that name neither the backdrop nor it as
 their foreground: its shape and foreground colour (target >= 0.8), and the share of images drawn on the backdrop
-colour in the masked run against the unmasked one (target <= 0.3). With ``--prior-epochs N`` the fine-tune a user
+colour in the masked run against the unmasked one (target <= 0.3), where the unmasked run drew it in at least half
+of its images (else the runs were too short to learn a backdrop at all). With ``--prior-epochs N`` the fine-tune a user
 runs on a pretrained model: a base is first trained for N epochs on the other shapes alone, unmasked (it draws
 backgrounds as captions name them and has never seen the held shape), its weight average exported, and both runs
 start from it (``model.init_weights``); the base is judged on the same captions first. ``--keep-prior FILE`` keeps
@@ -62,6 +63,9 @@ RATIO_TARGET = 0.2  # masked run's share of framed images / the unmasked run's
 BACKGROUND_TARGET = 0.3  # --masks foreground: masked run's share of images with the prompt's background / unmasked;
 # --masks subject: the same for the images drawn on the backdrop colour
 ADHERENCE_TARGET = 0.8
+# --masks subject: the unmasked run's share of images on the backdrop, at least: a fine-tune too short or too slow to
+# learn the backdrop without masks shows nothing by not learning it with them.
+LEARNED_TARGET = 0.5
 
 
 class ShapeJudge(ShapesJudge):
@@ -355,8 +359,9 @@ def main() -> None:
     elif args.masks == "subject":
         # Images drawn on the backdrop (which no prompt names) by the masked run against the unmasked one.
         ratio = figures["masked_backdrop"] / figures["unmasked_backdrop"] if figures["unmasked_backdrop"] else 1.0
-        met = ratio <= BACKGROUND_TARGET and figures["masked_shape"] >= ADHERENCE_TARGET
-        target = f"<= {BACKGROUND_TARGET}; masked shape >= {ADHERENCE_TARGET}"
+        met = (ratio <= BACKGROUND_TARGET and figures["masked_shape"] >= ADHERENCE_TARGET
+               and figures["unmasked_backdrop"] >= LEARNED_TARGET)
+        target = f"<= {BACKGROUND_TARGET}; masked shape >= {ADHERENCE_TARGET}; unmasked backdrop >= {LEARNED_TARGET}"
     else:
         # The prompt's background colour (no "frame" at the border) in the masked run's images against the unmasked.
         background = {name: 1 - figures[f"{name}_framed"] for name in ("masked", "unmasked")}
@@ -364,7 +369,8 @@ def main() -> None:
         met = ratio <= BACKGROUND_TARGET and figures["masked_shape"] >= ADHERENCE_TARGET
         target = f"<= {BACKGROUND_TARGET}; masked shape >= {ADHERENCE_TARGET}"
     subject = ({"held": args.held, "backdrop": args.backdrop, "prior_epochs": args.prior_epochs,
-                "prior_weights": args.prior_weights, "prior_of": args.prior_of, "lr": args.lr}
+                "prior_weights": args.prior_weights, "prior_of": args.prior_of if args.prior_epochs else None,
+                "lr": args.lr}
                if args.masks == "subject" else {})
     result_line("masked_loss", round(ratio, 3), target, met, masks=args.masks, margin=args.margin, **subject,
                 machine=machine(), **figures, short=args.short)
