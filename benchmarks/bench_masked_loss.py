@@ -42,7 +42,7 @@ fine-tunes' learning rate; a fine-tune's is usually below the pretraining's).
 
     .venv/bin/python -m benchmarks.bench_masked_loss [--masks frame] [--margin 0] [--held triangle] [--backdrop white]
         [--prior-epochs 0 | --prior-weights FILE] [--prior-of others] [--keep-prior FILE] [--lr LR] [--images 3000]
-        [--epochs 60] [--short]
+        [--epochs 60] [--seed 0] [--short]
 """
 
 import argparse
@@ -213,7 +213,9 @@ def fit(args, table: str | list[dict], tmp: str, run_id: str, epochs: int, *extr
         "--trainer.accelerator", "cpu" if not torch.cuda.is_available() else "auto", "--trainer.devices", "1",
         "--samples.every_n_steps", "null", "--samples.at_end", "false", "--export.filename", "null",
         "--run.root_dir", os.path.join(tmp, "runs"), "--run.run_id", run_id,
-        "--trainer.callbacks+=benchmarks.common.StepTimer", "--trainer.callbacks.warmup_steps", "1", *short, *extra])
+        "--trainer.callbacks+=benchmarks.common.StepTimer", "--trainer.callbacks.warmup_steps", "1",
+        "--seed_everything", str(args.seed), "--data.seed", str(args.seed), "--samples.seed", str(args.seed),
+        *short, *extra])
     return os.path.join(tmp, "runs", "t2i_quickstart", run_id), timed["steps_per_s"]
 
 
@@ -324,6 +326,8 @@ def main() -> None:
     parser.add_argument("--keep-prior", help="--prior-epochs: copy the base's weights to this file")
     parser.add_argument("--lr", type=float,
                         help="--masks subject: both runs' learning rate (default: the t2i quickstart's 0.001)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="every run's seed_everything, data.seed and samples.seed (its sampler's noise)")
     parser.add_argument("--prompts", type=int, default=32, help="validation captions, 4 images each")
     parser.add_argument("--sample-steps", type=int, default=20, help="sampler steps")
     parser.add_argument("--judge", help="the quickstart classifier's model.pt; default: train it here (about a minute)")
@@ -345,7 +349,7 @@ def main() -> None:
              "subject": f"the {args.held}s on {args.backdrop} masked to their shapes and {args.margin} pixels "
                         f"around them, the others unmasked{base}"}[args.masks]
     print(f"machine: {machine()}; {args.images} demo shapes {masks}; {args.epochs} epochs masked, "
-          f"{args.baseline_epochs} unmasked", flush=True)
+          f"{args.baseline_epochs} unmasked; seed {args.seed}", flush=True)
     tmp = tempfile.mkdtemp(prefix="lit-dist-bench-masked-")
     try:
         figures = run(args, tmp)
@@ -372,8 +376,8 @@ def main() -> None:
                 "prior_weights": args.prior_weights, "prior_of": args.prior_of if args.prior_epochs else None,
                 "lr": args.lr}
                if args.masks == "subject" else {})
-    result_line("masked_loss", round(ratio, 3), target, met, masks=args.masks, margin=args.margin, **subject,
-                machine=machine(), **figures, short=args.short)
+    result_line("masked_loss", round(ratio, 3), target, met, masks=args.masks, margin=args.margin, seed=args.seed,
+                **subject, machine=machine(), **figures, short=args.short)
 
 
 if __name__ == "__main__":
