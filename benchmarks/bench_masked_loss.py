@@ -336,6 +336,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.prior_weights and args.prior_epochs:
         parser.error("--prior-weights is a base trained before: leave out --prior-epochs")
+    if args.lr is not None and args.masks != "subject":
+        parser.error(f"--lr sets the fine-tunes' lr of --masks subject; --masks {args.masks} runs at the quickstart's")
+    if args.prior_of != "others" and not args.prior_epochs:
+        parser.error("--prior-of is the data of a base trained here: give --prior-epochs too")
     if args.short:
         args.images, args.epochs, args.baseline_epochs, args.prompts, args.sample_steps = 64, 1, 1, 2, 2
         args.judge_epochs = 1
